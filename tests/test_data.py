@@ -1,0 +1,149 @@
+import json
+import random
+import time
+
+import pytest
+
+import data
+from data import R_BOXED, R_CONTAINS, R_CORRECT, R_NONE
+
+GOOD = "Let me think.\n<question>What is 3 + 4 * 2?</question><answer>\\boxed{11}</answer>\nDone."
+
+
+# ---- the teacher format filter ----
+@pytest.mark.parametrize("text,expected", [
+    (GOOD, ("What is 3 + 4 * 2?", "11")),
+    ("<question>Find x if 2x = 1.<question><answer>\\boxed{\\frac{1}{2}}</answer>", ("Find x if 2x = 1.", "\\frac{1}{2}")),
+    ("<question>Q?</question>\n<answer>The answer: \\boxed{7}</answer>", ("Q?", "7")),
+])
+def test_parse_teacher_accepts(text, expected):
+    assert data.parse_teacher(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "<question>What is 3 + 4?</question><answer>\\boxed{7",                      # truncated mid-answer
+    "<question>What is 3 + 4?</question><answer>\\boxed{7}",                     # answer never closed
+    "<question>What is 3 + 4?",                                                   # truncated in the question
+    GOOD + GOOD,                                                                  # two problems
+    "<question>A?</question><question>B?</question><answer>\\boxed{1}</answer>",  # two questions
+    "What is 3 + 4? \\boxed{7}",                                                  # no tags at all
+    "<question>What is 3 + 4?</question><answer>7</answer>",                      # no boxed answer
+    "<question>What is 3 + 4?</question><answer>\\boxed{}</answer>",             # empty boxed answer
+    "<question></question><answer>\\boxed{7}</answer>",                          # empty question
+    "<question>What?</question><answer>\\boxed{\\frac{}{}}}</answer>",           # unparseable answer
+    "<answer>\\boxed{7}</answer><question>What is 3 + 4?</question>",            # answer before question
+])
+def test_parse_teacher_rejects(text):
+    assert data.parse_teacher(text) is None
+
+
+def test_parse_teacher_batch_keeps_order():
+    texts = ["junk", GOOD, "<question>Q</question><answer>\\boxed{2^{10}}</answer>"]
+    assert data.parse_teacher_batch(texts) == [None, ("What is 3 + 4 * 2?", "11"), ("Q", "2^{10}")]
+
+
+# ---- the student reward ----
+@pytest.mark.parametrize("completion,gold,reward", [
+    ("so it is \\boxed{0.5}", "1/2", R_CORRECT),
+    ("The final answer is: \\boxed{\\frac{1}{2}}.", "0.5", R_CORRECT),       # near-miss forms that are equal
+    ("\\boxed{1/2}", "0.5", R_CORRECT),
+    ("first \\boxed{3} then \\boxed{12}", "12", R_CORRECT),                   # the LAST boxed answer counts
+    ("\\boxed{12}", "13", R_BOXED),
+    ("\\boxed{x^2 + 1}", "x^2 + 2", R_BOXED),
+    ("\\boxed{312}", "12", R_CONTAINS),                                       # gold inside a wrong boxed answer
+    ("\\boxed{12, 13}", "12", R_CONTAINS),
+    ("the answer is 12", "12", R_NONE),                                       # right, but not boxed
+    ("\\boxed{12", "12", R_NONE),                                             # truncated box
+])
+def test_student_reward(completion, gold, reward):
+    assert data.student_reward(completion, gold) == reward
+    assert data.is_correct(completion, gold) == (reward == R_CORRECT)
+    assert data.grade([completion], [gold]) == [reward]
+
+
+def test_grade_pathological_batch_is_bounded_and_pool_survives():
+    comps, golds = [], []
+    for i in range(240):
+        comps.append(f"Adding up, the final answer is: \\boxed{{{i * 7 + 1}}}.")
+        golds.append(str(i * 7 + 1) if i % 3 else str(i * 7 + 2))   # a third are wrong
+    bad = ["\\boxed{2^{2^{2^{2^{2^{2^{2^{2}}}}}}}}", "\\boxed{9^{9^{9}}}", "\\boxed{100000000!}"]
+    for i in range(16):
+        comps.append(bad[i % 3])
+        golds.append("5")
+    order = list(range(256))
+    random.Random(0).shuffle(order)
+    comps, golds = [comps[i] for i in order], [golds[i] for i in order]
+    t0 = time.time()
+    rewards = data.grade(comps, golds)
+    assert time.time() - t0 < 30
+    for c, g, r in zip(comps, golds, rewards):
+        if c in bad:
+            assert r == R_BOXED
+        else:
+            assert r == (R_CORRECT if c.endswith(f"{{{g}}}.") else R_BOXED), (c, g, r)
+    assert data.grade(["\\boxed{4}", "\\boxed{5}"], ["4", "4"]) == [R_CORRECT, R_BOXED]  # pool still usable
+
+
+def test_grade_length_mismatch():
+    with pytest.raises(ValueError, match="2 completions but 1"):
+        data.grade(["a", "b"], ["1"])
+
+
+def test_prompts():
+    q = "Compute {a, b} \\cup {c}."  # braces must survive: no str.format on questions
+    p = data.student_prompt(q)
+    assert p.endswith(f"User: {q} Assistant:") and p.startswith("A conversation between User and Assistant.")
+    assert "<question>[full math question]</question><answer>\\boxed{[answer]}</answer>" in data.TEACHER_PROMPT
+
+    class Tok:  # minimal stand-in: teacher_prompt only needs the template call
+        name_or_path, chat_template = "tiny", "x"
+
+        def apply_chat_template(self, msgs, tokenize, add_generation_prompt):
+            assert not tokenize and add_generation_prompt
+            return "<user>" + msgs[0]["content"] + "<assistant>"
+    assert data.teacher_prompt(Tok()) == "<user>" + data.TEACHER_PROMPT + "<assistant>"
+    Tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat_template"):
+        data.teacher_prompt(Tok())
+
+
+# ---- datasets ----
+def test_load_jsonl_and_errors(tmp_path):
+    f = tmp_path / "ok.jsonl"
+    f.write_text('{"question": "1+1?", "answer": "2"}\n\n{"question": " 2+2? ", "answer": "4", "extra": 1}\n')
+    assert data.load_problems(str(f)) == [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": "4"}]
+    cases = {
+        '{"question": "q", "answer": "1"}\n{"question": "q"}\n': r"bad.jsonl:2: missing field 'answer'",
+        '{"question": "q", "answer": "  "}\n': r"bad.jsonl:1: empty or non-string 'answer'",
+        '{"question": "q", "answer": "1"}\n{"question": "q", "answer": "1"}\n{oops\n': r"bad.jsonl:3: not JSON",
+        '[1, 2]\n': r"bad.jsonl:1: expected a JSON object",
+    }
+    for text, msg in cases.items():
+        (tmp_path / "bad.jsonl").write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            data.load_problems(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        data.load_problems(str(tmp_path / "nope.jsonl"))
+
+
+def test_load_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"question": ["a?", "b?"], "answer": ["1", ""]}), tmp_path / "p.parquet")
+    with pytest.raises(ValueError, match=r"p.parquet:2: empty"):
+        data.load_problems(str(tmp_path / "p.parquet"))
+
+
+def test_write_jsonl_roundtrip_and_split(tmp_path):
+    rows = [{"question": f"q{i} \\frac{{1}}{{2}}", "answer": str(i)} for i in range(11)]
+    data.write_jsonl(str(tmp_path / "sub" / "x.jsonl"), rows)
+    assert data.load_problems(str(tmp_path / "sub" / "x.jsonl")) == rows
+    train, test = data.split_train_test(rows, seed=3)
+    assert (len(train), len(test)) == (5, 6)
+    assert sorted(map(json.dumps, train + test)) == sorted(map(json.dumps, rows))
+    assert data.split_train_test(rows, seed=3) == (train, test)      # seeded
+    assert data.split_train_test(rows, seed=4) != (train, test)
+    qr = data.sample_questions(train, 4, random.Random(0))
+    assert len(qr) == 4 and all(q in train for q in qr) and len(set(map(json.dumps, qr))) == 4
+    with pytest.raises(ValueError, match="M=6 .* only 5"):
+        data.sample_questions(train, 6, random.Random(0))
