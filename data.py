@@ -45,7 +45,8 @@ R_NONE = 0.0        # no boxed answer at all
 # ---- grading pool (NOTES.md: integer timeouts only; SIGALRM needs each worker's main thread) ----
 MV_TIMEOUT_S = 1          # math-verify parse and verify timeouts, each (an int: a float silently fails)
 DEADLINE_S = 6.0          # outer deadline per item: a worker past it is killed and replaced
-GRADE_WORKERS = min(8, os.cpu_count() or 1)
+# per rank: the node's cores shared by the ranks on it (torchrun sets LOCAL_WORLD_SIZE)
+GRADE_WORKERS = max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
 # ---- hub pools (SPEC.md "Data"); a local .jsonl/.parquet path with question/answer works offline ----
 HUB = {

@@ -1,0 +1,142 @@
+"""
+Benchmark of the rloo.py hot paths on whatever hardware is here: generation tokens/s (vLLM),
+trainer tokens/s (one RLOO train_step), weight-sync time vs a train step, peak memory, and
+model-FLOP utilisation. A random model of the chosen shape is written first (no download).
+
+    python bench_rloo.py                                  # tiny Llama, CPU-sized batch
+    torchrun --nproc_per_node 8 bench_rloo.py --shape llama3b
+        # Llama-3.2-3B shape, one student inner step: 256 rollouts x 1024 tokens
+
+MFU counts 6*N*tokens for the policy forward+backward and 2*N*tokens for the reference
+forward (N = all parameters, lm_head counted once when tied; attention FLOPs and activation
+recomputation not counted), over --peak-tflops per rank (790 = bf16 dense measured on H200).
+"""
+import argparse
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import rloo
+
+SHAPES = {  # LlamaConfig fields; head_dim 64 everywhere (the CPU attention kernels want >= 32)
+    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=2048),
+    "llama3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                    num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+}
+DEFAULTS = {  # rollouts, prompt tokens, completion tokens, micro-batch tokens, activation ckpt
+    "tiny": (64, 32, 128, 8192, False),
+    "llama3b": (256, 128, 1024, 8192, True),   # a student step: 8 questions x 32 samples
+}
+
+
+def make_model(path, shape, dev):
+    """random weights + a WordLevel tokenizer covering every id (so any sampled id decodes)"""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True,
+                      bos_token_id=0, eos_token_id=1, dtype="bfloat16" if dev.type == "cuda" else "float32")
+    vocab = {f"w{i}": i for i in range(cfg.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w0", eos_token="w1",
+                            unk_token="w2").save_pretrained(path)
+    with torch.device(dev):   # init on the GPU when there is one: seconds instead of minutes
+        model = LlamaForCausalLM(cfg)
+    model.to(torch.bfloat16 if dev.type == "cuda" else torch.float32).save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def peak_mem_gib(dev):
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB -> GiB, process peak
+
+
+def timed(fn, dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=SHAPES, default="tiny")
+    ap.add_argument("--rollouts", type=int)
+    ap.add_argument("--prompt-len", type=int)
+    ap.add_argument("--gen-len", type=int)
+    ap.add_argument("--samples", type=int, default=32, help="samples per prompt (n)")
+    ap.add_argument("--micro-batch-tokens", type=int)
+    ap.add_argument("--no-activation-checkpointing", action="store_true")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--peak-tflops", type=float, help="per rank, bf16 dense (default on GPU: 790, H200)")
+    ap.add_argument("--workdir", default="/tmp/bench_rloo")
+    args = ap.parse_args()
+    rollouts, plen, glen, mbt, ac = DEFAULTS[args.shape]
+    rollouts, plen, glen = args.rollouts or rollouts, args.prompt_len or plen, args.gen_len or glen
+    mbt, ac = args.micro_batch_tokens or mbt, ac and not args.no_activation_checkpointing
+
+    rank, world, dev = rloo.init_distributed()
+    path = os.path.join(args.workdir, args.shape)
+    n_params = make_model(path, args.shape, dev) if rank == 0 else 0   # printed by rank 0
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()   # vLLM sizes its KV cache from the memory still free
+    dist.barrier()
+    llm = rloo.build_engine(path, max_model_len=plen + glen + 8,
+                            gpu_memory_utilization=args.gpu_memory_utilization)
+    mesh = init_device_mesh(dev.type, (world,))
+    pol = rloo.load_policy(path, mesh, lr=1e-5, warmup_steps=0, total_steps=100, kl_coef=0.001,
+                           activation_checkpointing=ac)
+    g = torch.Generator().manual_seed(0)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    n_prompts = max(1, rollouts // args.samples)
+    prompts = [torch.randint(2, vocab, (plen,), generator=g).tolist() for _ in range(n_prompts)]
+
+    # generation: every rank generates its share of the prompts, results gathered everywhere
+    rloo.generate(llm, prompts[:1], n=2, max_tokens=4, seed=0)   # warm-up
+    outs, t_gen = timed(lambda: rloo.generate(llm, prompts, n=args.samples, max_tokens=glen, seed=1,
+                                              group=dist.group.WORLD), dev)
+    gen_tokens = sum(len(s.token_ids) for o in outs for s in o)
+
+    # training: fixed-length completions (as many as rollouts), this rank's contiguous share
+    comps = [torch.randint(2, vocab, (glen,), generator=g).tolist() for _ in range(rollouts)]
+    prm = [prompts[i % n_prompts] for i in range(rollouts)]
+    adv = torch.randn(rollouts, generator=g).tolist()
+    lo, hi = rloo._chunk(rollouts, rank, world)
+    step = lambda: rloo.train_step(pol, prm[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=mbt)
+    timed(step, dev)   # warm-up (allocator, optimizer state)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    stats, t_train = timed(step, dev)
+    _, t_sync = timed(lambda: rloo.sync_weights(pol, llm), dev)
+    mem = torch.tensor([peak_mem_gib(dev)], device=dev)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+
+    if rank == 0:
+        seq_tokens = rollouts * (plen + glen)   # tokens through the model in the train step
+        flops = 8 * n_params * seq_tokens       # 6N train + 2N reference
+        peak_tflops = args.peak_tflops or (790.0 if dev.type == "cuda" else None)
+        mfu = (f"MFU {flops / t_train / (peak_tflops * 1e12 * world):.1%} of {peak_tflops:g} TFLOP/s x {world}"
+               if peak_tflops else f"{flops / t_train / 1e9 / world:.1f} GFLOP/s per rank")
+        print(f"shape {args.shape}: {n_params / 1e6:.1f} M params, {world} rank(s) on {dev.type}, "
+              f"activation checkpointing {ac}, micro-batch {mbt} tokens")
+        print(f"generation: {len(prompts)} prompts x {args.samples} samples, {gen_tokens} new tokens "
+              f"in {t_gen:.2f} s = {gen_tokens / t_gen:,.0f} tokens/s ({gen_tokens / t_gen / world:,.0f} per rank)")
+        print(f"train step: {rollouts} rollouts x ({plen} + {glen}) tokens in {t_train:.2f} s = "
+              f"{seq_tokens / t_train:,.0f} tokens/s ({stats['tokens'] / t_train:,.0f} completion tokens/s); {mfu}")
+        print(f"weight sync: {t_sync * 1000:.0f} ms = {t_sync / t_train:.1%} of a train step")
+        print(f"peak memory: {mem.item():.2f} GiB per rank "
+              f"({'torch.cuda.max_memory_allocated' if dev.type == 'cuda' else 'process max RSS incl. engine'})")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
