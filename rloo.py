@@ -7,6 +7,7 @@ Layout (SPEC "Scale layout"): torchrun, one rank per GPU (or CPU process), TP = 
 with distributed_executor_backend="external_launcher" so each engine lives inside its rank's
 process and serves whatever weights are synced into it next (teacher or student).
 """
+import logging
 import math
 import os
 import shutil
@@ -63,7 +64,11 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
                  gpu_memory_utilization: float = 0.3):
     """One engine per rank, built ONCE (all ranks at the same time: vLLM makes groups) and
     reused for every model the rank serves; weights change only through sync_weights."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # else an INFO line per weight sync
     from vllm import LLM
+    # the rotary cos/sin cache is not in HF checkpoints, so every reload warns that it kept the
+    # engine's own copy, which is right
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
     cpu = not torch.cuda.is_available()
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)

@@ -1,0 +1,87 @@
+"""Algorithm 1's decisions on hand-built reward tables (pure logic, no engine)."""
+import pytest
+
+import soar
+from soar import Config, decide, inner_steps, learnability, moving_average, promotion, teacher_advantages
+
+
+def test_inner_step_schedule():
+    cfg = Config()
+    assert [inner_steps(cfg, p) for p in range(5)] == [10, 15, 20, 20, 20]
+
+
+def test_moving_average_needs_full_window():
+    assert moving_average([0.1, 0.2], 3) is None
+    assert moving_average([0.5, 0.1, 0.2, 0.3], 3) == pytest.approx(0.2)
+    assert moving_average([0.4], 1) == 0.4
+
+
+def test_promotion_argmax_and_lower_middle_median():
+    R = [[0.00, 0.02, 0.01, 0.03],    # R_0 = 0.015
+         [0.05, -0.02, 0.04, 0.01],   # R_1 = 0.02  <- argmax; sorted: -0.02, 0.01, 0.04, 0.05
+         [0.00, 0.00, 0.00, 0.00]]
+    assert promotion(R, ma=0.02, tau=0.01) == (1, 3)   # lower middle of 4 is the 2nd smallest: 0.01 at j=3
+    assert promotion(R, ma=0.01, tau=0.01) is None      # strictly greater than tau
+    assert promotion(R, ma=None, tau=0.01) is None
+    assert promotion([[0.1, 0.3, 0.2], [0.0, 0.0, 0.0]], ma=0.5, tau=0.01) == (0, 2)  # r odd: the median
+
+
+def test_decide_window_and_reset():
+    tau, w = 0.01, 3
+    good = [[0.03, 0.01], [0.02, 0.04]]          # Rhat = 0.025
+    flat = [[0.0, 0.0], [0.0, 0.0]]
+    h = []
+    reward, ma, chosen, h = decide(h, good, w, tau)
+    assert (reward, ma, chosen) == (pytest.approx(0.025), None, None)  # window not full yet
+    _, ma, chosen, h = decide(h, flat, w, tau)
+    assert ma is None and chosen is None
+    _, ma, chosen, h = decide(h, good, w, tau)
+    assert ma == pytest.approx(0.05 / 3) and chosen == (1, 0) and h == []   # promoted: window cleared
+    for _ in range(2):                            # the next promotion needs a full post-promotion window
+        _, ma, chosen, h = decide(h, good, w, tau)
+        assert chosen is None and ma is None
+    _, ma, chosen, h = decide(h, good, w, tau)
+    assert chosen == (1, 0)
+    _, _, chosen, h = decide(h, flat, w, tau)
+    _, _, chosen, h = decide(h, flat, w, tau)
+    _, ma, chosen, h = decide(h, good, w, tau)
+    assert ma == pytest.approx(0.025 / 3) and chosen is None   # below tau: kept, sliding
+    assert len(h) == 3
+
+
+def test_teacher_advantages_leave_one_out():
+    adv = teacher_advantages([0.1, 0.0, -0.1, 0.2])
+    assert adv == pytest.approx([0.1 - 0.1 / 3, 0.0 - 0.2 / 3, -0.1 - 0.3 / 3, 0.2 - 0.0])
+    assert sum(adv) == pytest.approx(0.0)    # why rejection sampling is exact (paper Prop. 1)
+
+
+def test_learnability_reward():
+    assert learnability([0.0, 0.25, 1.0, 0.5]) == pytest.approx((0 + 0.75 + 0 + 0.5) / 4)
+
+
+def test_seeds_are_stable_and_distinct():
+    cfg = Config(seed=3)
+    assert soar.seed_of(cfg, 5, "teacher", 0) == soar.seed_of(Config(seed=3), 5, "teacher", 0)
+    assert len({soar.seed_of(cfg, s, "student", k) for s in range(20) for k in range(4)}) == 80
+
+
+def test_parse_args_world_defaults_and_overrides():
+    cfg = soar.parse_args(["--steps", "3", "--activation_checkpointing"])
+    assert cfg.model == "" and cfg.steps == 3 and cfg.num_datasets == soar.WORLD_DEFAULTS["num_datasets"] and cfg.activation_checkpointing
+    paper = soar.parse_args(["--model", "m", "--train", "t.jsonl"])
+    assert (paper.num_datasets, paper.dataset_size, paper.students, paper.qr_size, paper.steps, paper.tau) == \
+        (4, 64, 4, 64, 200, 0.01)
+    with pytest.raises(SystemExit):
+        soar.parse_args(["--reward", "vibes"])
+
+
+def test_flags_survive_torchrun():
+    """torchrun's parser takes any flag that abbreviates one of its own (--n, --r, --m...), even after
+    the script name: no flag of ours may be a prefix of a torchrun option."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--help"], capture_output=True, text=True).stdout
+    theirs = {w.split("=")[0] for w in out.replace(",", " ").split() if w.startswith("--")}
+    ours = {"--" + f.name for f in soar.dataclasses.fields(Config)}
+    assert len(theirs) > 20
+    assert not {(a, b) for a in ours for b in theirs if b.startswith(a) or b.replace("-", "_").startswith(a)}
