@@ -80,7 +80,11 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
                gpu_memory_utilization=CPU_MEM_UTIL if cpu else gpu_memory_utilization,
                distributed_executor_backend="external_launcher", tensor_parallel_size=1,
                # CPU: skip the inductor compile (minutes-scale warmup on few cores, tiny models)
-               enforce_eager=cpu, enable_prefix_caching=True)
+               enforce_eager=cpu, enable_prefix_caching=True,
+               # CPU: a chunked prefill of a seeded request crashes vLLM 0.32's CPU runner
+               # ("CPU Generator does not use offset"); batches past 4096 prompt tokens chunk
+               enable_chunked_prefill=not cpu,
+               max_num_batched_tokens=max(4096, max_model_len) if cpu else None)
 
 
 @dataclass

@@ -108,6 +108,12 @@ def main(out, base, ref):
     res["local_gen"] = [[s.token_ids for s in o] for o in   # no group: this rank alone
                         rloo.generate(llm, PROMPTS[:2], n=3, max_tokens=12, seed=11)]
 
+    # more prompt tokens than one 4096-token prefill batch holds, seeded: vLLM's CPU runner crashes
+    # on a chunked prefill of a seeded request unless build_engine turns chunking off
+    big = [" ".join([PROMPTS[i % 7]] * 30) + f" {i}" for i in range(64)]
+    res["big"] = [len(o) for o in rloo.generate(llm, big, n=2, max_tokens=2, seed=5)]
+    res["big_prompt_tokens"] = sum(len(o[0].prompt_token_ids) for o in rloo.generate(llm, big, max_tokens=1, seed=5))
+
     tick("generate")
     # --- one RLOO step on a fixed batch, KL to a different reference model
     kl_coef, lr = 0.1, 1e-3

@@ -106,6 +106,8 @@ def test_generate(runs):
     # greedy: n copies of one deterministic completion, same everywhere
     assert all(len(o) == 2 and o[0] == o[1] and len(o[0]) == 8 for o in one["greedy"])
     assert one["greedy"] == r0["greedy"] == r1["greedy"]
+    # a seeded batch larger than one prefill chunk completes (see build_engine)
+    assert one["big"] == [2] * 64 and one["big_prompt_tokens"] > 4096
 
 
 def test_snapshot_restore_checkpoints(runs):
