@@ -66,25 +66,26 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
     reused for every model the rank serves; weights change only through sync_weights."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # else an INFO line per weight sync
     from vllm import LLM
-    # the rotary cos/sin cache is not in HF checkpoints, so every reload warns that it kept the
-    # engine's own copy, which is right
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
     cpu = not torch.cuda.is_available()
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return LLM(model=model_path, max_model_len=max_model_len, seed=seed + rank,
-               # fp32 on CPU makes synced weights bit-equal to the trainer's (tests compare
-               # logprobs); bf16 on GPU is what the trainer computes in anyway
-               dtype="float32" if cpu else "bfloat16",
-               gpu_memory_utilization=CPU_MEM_UTIL if cpu else gpu_memory_utilization,
-               distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-               # CPU: skip the inductor compile (minutes-scale warmup on few cores, tiny models)
-               enforce_eager=cpu, enable_prefix_caching=True,
-               # CPU: a chunked prefill of a seeded request crashes vLLM 0.32's CPU runner
-               # ("CPU Generator does not use offset"); batches past 4096 prompt tokens chunk
-               enable_chunked_prefill=not cpu,
-               max_num_batched_tokens=max(4096, max_model_len) if cpu else None)
+    llm = LLM(model=model_path, max_model_len=max_model_len, seed=seed + rank,
+              # fp32 on CPU makes synced weights bit-equal to the trainer's (tests compare
+              # logprobs); bf16 on GPU is what the trainer computes in anyway
+              dtype="float32" if cpu else "bfloat16",
+              gpu_memory_utilization=CPU_MEM_UTIL if cpu else gpu_memory_utilization,
+              distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+              # CPU: skip the inductor compile (minutes-scale warmup on few cores, tiny models)
+              enforce_eager=cpu, enable_prefix_caching=True,
+              # CPU: a chunked prefill of a seeded request crashes vLLM 0.32's CPU runner
+              # ("CPU Generator does not use offset"); batches past 4096 prompt tokens chunk
+              enable_chunked_prefill=not cpu,
+              max_num_batched_tokens=max(4096, max_model_len) if cpu else None)
+    # the rotary cos/sin cache is not in HF checkpoints, so every reload warns that it kept the
+    # engine's own copy, which is right (set after LLM(): vLLM configures its loggers there)
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    return llm
 
 
 @dataclass

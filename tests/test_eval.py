@@ -1,0 +1,317 @@
+"""eval.py: the statistics against brute force and known answers (no engine), the report on
+hand-made run folders, and one short end-to-end evaluation with the real engine on the small world."""
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import eval as ev
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- pass@k ----
+def brute_pass_at_k(n, c, k):
+    """the fraction of k-subsets of n samples (c of them correct) holding a correct one"""
+    subsets = list(itertools.combinations([1] * c + [0] * (n - c), k))
+    return Fraction(sum(any(s) for s in subsets), len(subsets))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_pass_at_k_matches_enumeration(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert ev.pass_at_k(n, c, k) == pytest.approx(float(brute_pass_at_k(n, c, k)), abs=1e-12)
+
+
+def test_pass_at_k_large_n_is_stable():
+    for c in (0, 1, 3, 50, 127, 128):
+        for k in (1, 4, 32, 128):
+            exact = 1 - Fraction(math.comb(128 - c, k), math.comb(128, k))
+            assert ev.pass_at_k(128, c, k) == pytest.approx(float(exact), abs=1e-12)
+    assert ev.pass_at_k(32, 1, 1) == pytest.approx(1 / 32)
+
+
+def test_mean_passk_over_problems():
+    res = ev.mean_passk([0, 32, 1], 32)
+    assert list(res) == ["pass@1", "pass@4", "pass@8", "pass@16", "pass@32"]
+    assert res["pass@1"] == pytest.approx((0 + 1 + 1 / 32) / 3) and res["pass@32"] == pytest.approx(2 / 3)
+    assert list(ev.mean_passk([1, 2], 8)) == ["pass@1", "pass@4", "pass@8"]   # k <= n only
+
+
+
+def test_correct_counts_and_fail_at_k_on_scripted_samples(monkeypatch):
+    """the counting and filtering around the engine, with rloo.generate scripted: per problem, the
+    samples are its script's texts in turn (what the chunking and the dedup grading must not change)"""
+    import rloo
+    from rloo import Sample
+    problems = [{"question": "q0", "answer": "4"}, {"question": "q1", "answer": "1/2"},
+                {"question": "q2", "answer": "7"}, {"question": "q3", "answer": "10"}]
+    script = {"q0": ["\\boxed{4}", "no box", "\\boxed{5}", "so \\boxed{4}"],   # 2 correct
+              "q1": ["\\boxed{0.5}"] * 4,                                          # 4 (equal forms)
+              "q2": ["\\boxed{17}", "\\boxed{", "", "\\boxed{71}"],              # 0 (contains, truncated)
+              "q3": ["\\boxed{10}", "x", "x", "x"]}                                 # 1
+    calls = []
+
+    def fake_generate(llm, prompts, *, n, temperature, max_tokens, seed, group=None):
+        calls.append((len(prompts), seed))
+        qs = [p.rsplit("User: ", 1)[1].rsplit(" Assistant:", 1)[0] for p in prompts]
+        return [[Sample(script[q][i], [], []) for i in range(n)] for q in qs]
+
+    monkeypatch.setattr(rloo, "generate", fake_generate)
+    assert ev.correct_counts(None, problems, n=4, max_tokens=8, seed=100) == [2, 4, 0, 1]
+    assert ev.correct_counts(None, problems, n=4, max_tokens=8, seed=100, chunk=3) == [2, 4, 0, 1]
+    assert calls[-2:] == [(3, 100), (1, 103)]              # request i keeps seed + i across chunks
+    assert ev.fail_at_k(None, problems, k=4, max_tokens=8) == [problems[2]]
+
+# ---- the early-stopping rule ----
+def test_early_stop_exponential_saturation():
+    # r = 1 - exp(-t/100): smoothed slope at centre step t is proportional to exp(-(t-12)/100) from
+    # the first full window (centre 12) on; it drops below 15% of the max where t - 12 > 100 ln(1/0.15)
+    r = [1 - math.exp(-t / 100) for t in range(600)]
+    assert ev.early_stop(r) == 12 + math.ceil(100 * math.log(1 / 0.15))   # 202
+    assert ev.early_stop([120 * x + 7 for x in r]) == 202                 # scale-free (normalised slopes)
+
+
+def test_early_stop_sigmoid_counts_from_the_steepest_step():
+    # flat start, rise around 300, plateau: 4 s (1 - s) < 0.15 first at t = 300 + 30 ln(s/(1-s)), s = (1 + sqrt(.85))/2
+    s = (1 + math.sqrt(0.85)) / 2
+    expected = 300 + 30 * math.log(s / (1 - s))                             # 396.1
+    r = [1 / (1 + math.exp(-(t - 300) / 30)) for t in range(800)]
+    assert abs(ev.early_stop(r) - expected) <= 1.5
+    # noisy rewards: the MA copes with mild noise (the rule fires early when the noise in the smoothed
+    # slopes, ~ sigma * sqrt(2) / 25, nears 15% of the max slope)
+    noise = np.random.default_rng(0).normal(0, 0.005, 800)
+    assert abs(ev.early_stop([x + e for x, e in zip(r, noise)]) - expected) <= 10
+
+
+def test_early_stop_none_while_rising_or_flat():
+    assert ev.early_stop([t / 100 for t in range(300)]) is None             # linear: never flattens
+    assert ev.early_stop([0.0] * 300) is None                               # no signal at all
+    assert ev.early_stop([1.0] * 10) is None                                # shorter than the window
+
+
+def test_select_and_finished():
+    cfg = ev.Config(es_window=5, es_average=20)
+    rewards = [min(t, 30) / 30 for t in range(80)]           # rises linearly, flat from step 30
+    stop = ev.early_stop(rewards, 5)
+    assert stop == 32            # the first window wholly on the plateau: i = 30, centred 2 later
+    evals = [{"step": s, "pass@1": s / 100, "pass@4": 2 * s / 100} for s in range(0, 81, 10)]
+    res = ev.select(evals, rewards, cfg)
+    assert res["rule"] == "early-stop" and res["window"] == [stop, stop + 20]
+    used = [s for s in range(0, 81, 10) if stop <= s <= stop + 20]
+    assert res["evals_used"] == used and res["passk"]["pass@1"] == pytest.approx(sum(used) / len(used) / 100)
+    assert not ev.finished(rewards[:40], 40, cfg) and ev.finished(rewards, stop + 20, cfg)
+    assert not ev.finished(rewards, stop + 19, cfg)
+    # curriculum: the rule sees the rewards after the switch only, steps keep their numbering
+    shifted = [0.9] * 10 + rewards
+    assert ev.select(evals, shifted, cfg, offset=10)["stop_step"] == stop + 10
+    fixed = ev.select(evals, rewards, ev.Config(fixed_step=50))
+    assert fixed["rule"] == "fixed" and fixed["evals_used"] == [50] and fixed["passk"]["pass@4"] == 1.0
+    assert ev.finished([], 50, ev.Config(fixed_step=50)) and not ev.finished([], 49, ev.Config(fixed_step=50))
+    flat = ev.select(evals, [0.0] * 80, cfg)                 # never stops: the last es_average steps
+    assert flat["rule"] == "last" and flat["evals_used"] == [60, 70, 80]
+
+
+def test_batches_mixed_and_curriculum():
+    syn = [{"question": f"s{i}", "answer": "1"} for i in range(5)]
+    real = [{"question": f"r{i}", "answer": "1"} for i in range(7)]
+    cfg = ev.Config(questions=3, seed=4, mode="mixed")
+    epoch = [q["question"] for s in range(4) for q in ev.batch_at(s, syn, real, cfg)[1]]   # 12 = one epoch
+    assert sorted(epoch) == sorted(q["question"] for q in syn + real)
+    assert ev.batch_at(2, syn, real, cfg) == ev.batch_at(2, syn, real, cfg)            # replayable
+    assert ev.batch_at(2, syn, real, cfg) != ev.batch_at(2, syn, real, ev.Config(questions=3, seed=5))
+    cur = ev.Config(questions=3, mode="curriculum", switch_step=2)
+    assert [ev.batch_at(s, syn, real, cur)[0] for s in range(4)] == ["synthetic", "synthetic", "real", "real"]
+    assert all(q in syn for q in ev.batch_at(1, syn, real, cur)[1])
+    assert all(q in real for q in ev.batch_at(3, syn, real, cur)[1])
+
+
+# ---- Vendi ----
+def test_vendi_known_cases():
+    assert ev.vendi(np.ones((6, 4))) == pytest.approx(1.0)
+    assert ev.vendi(np.eye(7)) == pytest.approx(7.0)
+    assert ev.vendi(np.array([[1, 0], [1, 0], [0, 1], [0, 1]])) == pytest.approx(2.0)   # two clusters
+    X = ev.embed_ngram(["What is 2 + 2?"] * 10)
+    assert ev.vendi(X) == pytest.approx(1.0)
+    varied = ev.embed_ngram([f"Find the {w} of {i} and {i * 7 + 3}." for i, w in
+                             enumerate(["sum", "product", "gcd", "lcm", "difference", "ratio"] * 3)])
+    assert 1.5 < ev.vendi(varied) < 18
+    m, s = ev.vendi_bootstrap(np.eye(200), subset=128, draws=5)
+    assert m == pytest.approx(128.0) and s == pytest.approx(0.0, abs=1e-9)
+    assert ev.vendi_bootstrap(np.eye(5), subset=128) == (pytest.approx(5.0), 0.0)   # small set: one draw
+
+
+# ---- the report, on hand-made run folders ----
+def write(path, rows):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for r in rows if isinstance(rows, list) else [rows]:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_report_table_and_plots(tmp_path):
+    runs, soar_dir = tmp_path / "runs", tmp_path / "soar"
+    for seed, p1 in ((0, 0.01), (1, 0.03)):
+        d = runs / "pq" / f"seed{seed}"
+        write(str(d / "result.json"), dict(method="pq", test="t.jsonl", seed=seed, rule="early-stop", stop_step=10,
+                                           passk={"pass@1": p1, "pass@32": 0.2}))
+        write(str(d / "evals.jsonl"), [{"step": s, "pass@1": p1 * s / 10, "pass@32": 0.1} for s in (0, 10, 20)])
+        write(str(runs / "grounded-t" / f"seed{seed}" / "questions.jsonl"),
+              [{"question": f"What is {i} + {seed}?", "answer": "1"} for i in range(20)])
+    write(str(runs / "base" / "seed0" / "result.json"), dict(method="base", test="t.jsonl", seed=0,
+                                                             passk={"pass@1": 0.005, "pass@32": 0.05}))
+    write(str(soar_dir / "pq.jsonl"), [{"question": "Q one", "answer": "1", "step": 0}])
+    write(str(soar_dir / "metrics.jsonl"), [dict(step=s, reward=0.01 * s, ma=None if s < 2 else 0.01,
+                                                 promoted=s == 3, promotions=int(s >= 3)) for s in range(5)])
+    cfg = ev.Config(runs=str(runs), soar=str(soar_dir), vendi_draws=3)
+    text = ev.cmd_report(cfg)
+    lines = text.splitlines()
+    assert "| method | pass@1 | pass@32 | seeds | step |" in lines
+    rows = [x for x in lines if x.startswith("| base") or x.startswith("| pq")]
+    assert rows[0].startswith("| base | 0.5 ± 0.0 | 5.0 ± 0.0 | 1 |")              # the paper's order: base first
+    assert rows[1].startswith(f"| pq | 2.0 ± {100 * np.std([0.01, 0.03], ddof=1):.1f} | 20.0 ± 0.0 | 2 | 10")
+    assert any(x.startswith("| grounded-t |") and x.endswith("| 40 |") for x in lines)   # Vendi of both seeds' sets
+    assert any(x.startswith("| pq | 1.00 ± 0.00 | 1 |") for x in lines)
+    for png in ("curves.png", "soar.png"):
+        assert (runs / png).stat().st_size > 1000
+    assert (runs / "report.md").read_text() == text
+
+
+def test_parse_args_world_defaults_and_paper_settings():
+    cmd, args, cfg = ev.parse_args(["row", "base", "pq", "--seeds", "0,1"])
+    assert (cmd, args, cfg.model, cfg.steps) == ("row", ["base", "pq"], "", ev.WORLD_DEFAULTS["steps"])
+    _, _, paper = ev.parse_args(["row", "pq", "--model", "m", "--mode", "curriculum"])
+    assert (paper.steps, paper.lr, paper.samples, paper.questions, paper.warmup, paper.switch_step) == \
+        (1500, 1e-5, 32, 8, 20, 64)
+    assert (paper.es_window, paper.es_fraction, paper.es_average, paper.passk_samples) == (25, 0.15, 200, 32)
+    cmd, _, cfg = ev.parse_args(["train", "--synthetic", "q.jsonl", "--name", "mine"])
+    assert (cmd, cfg.synthetic, cfg.name) == ("train", "q.jsonl", "mine")
+    for bad in (["row", "nonsense"], ["row"], ["row", "pq", "--mode", "random"], ["train", "--name", "x"],
+                ["train", "--synthetic", "q.jsonl", "--name", "pq"]):
+        with pytest.raises(SystemExit):
+            ev.parse_args(bad)
+    with pytest.raises(SystemExit, match="missing inputs"):        # fails fast, before any world or engine
+        ev.main(["row", "pq", "ps", "--soar", "/nonexistent"])
+
+
+# ---- end to end: the real engine on the small world, torchrun with 2 ranks ----
+SMALL = ["--world", "small", "--seeds", "0", "--steps", "6", "--eval_every", "2", "--ckpt_every", "2",
+         "--samples", "4", "--questions", "2", "--passk_samples", "8", "--teacher_questions", "8",
+         "--mode", "curriculum", "--switch_step", "2", "--es_window", "3", "--es_average", "2"]
+
+
+def eval_py(*args, wait=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "eval.py"), *args]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def rows(path):
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+@pytest.fixture(scope="module")
+def small_world():
+    import world
+    return world.build_world(small=True)
+
+
+@pytest.fixture(scope="module")
+def rows_run(small_world, tmp_path_factory):
+    """a stand-in SOAR output (the world model as promoted student, 8 hard train problems as PQ), then
+    the rows base, ps, hard-only, pq (curriculum) and base-t on it, in one torchrun call"""
+    import shutil
+    tmp = tmp_path_factory.mktemp("eval")
+    soar_dir, runs = tmp / "soar", tmp / "runs"
+    shutil.copytree(small_world["model"], soar_dir / "student")
+    write(str(soar_dir / "pq.jsonl"), [{**q, "step": 0} for q in rows(small_world["train"])[:8]])
+    write(str(soar_dir / "metrics.jsonl"), [dict(step=s, reward=0.01 * s, ma=0.01, promoted=s == 1, promotions=int(s >= 1))
+                                            for s in range(3)])
+    p = eval_py("row", "base", "ps", "hard-only", "pq", "base-t", "--soar", str(soar_dir), "--runs", str(runs), *SMALL)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return soar_dir, runs, p
+
+
+def test_rows_end_to_end(rows_run, small_world):
+    soar_dir, runs, _ = rows_run
+    n_test = len(rows(small_world["test"]))
+    for method in ("base", "ps", "hard-only", "pq", "base-t"):
+        res = json.loads((runs / method / "seed0" / "result.json").read_text())
+        assert res["method"] == method and list(res["passk"]) == ["pass@1", "pass@4", "pass@8"]
+        p = list(res["passk"].values())
+        assert all(0 <= x <= 1 for x in p) and p == sorted(p)                # pass@k grows with k
+    for method in ("hard-only", "pq", "base-t"):
+        d = runs / method / "seed0"
+        metrics, evals = rows(d / "metrics.jsonl"), rows(d / "evals.jsonl")
+        res = json.loads((d / "result.json").read_text())
+        assert [m["step"] for m in metrics] == list(range(res["steps_done"])) and res["steps_done"] <= 6
+        end = res["steps_done"]      # evals every 2 steps, and at --steps if the run got there
+        assert [e["step"] for e in evals] == sorted(set(range(0, end + 1, 2)) | ({end} if end == 6 else set()))
+        assert all(0 <= e["solved"] <= n_test for e in evals)
+        assert all(m["grad_norm"] >= 0 and 0 <= m["accuracy"] <= 1 for m in metrics)
+        assert not (d / "ckpt").exists()                                    # a finished run keeps no optimizer state
+        assert set(res["evals_used"]) <= {e["step"] for e in evals}
+    # hard-only has no synthetic set: mixed over the hard split; pq: curriculum, synthetic first
+    assert {m["source"] for m in rows(runs / "hard-only" / "seed0" / "metrics.jsonl")} == {"mixed"}
+    sources = [m["source"] for m in rows(runs / "pq" / "seed0" / "metrics.jsonl")]
+    assert sources[:2] == ["synthetic", "synthetic"] and set(sources[2:]) <= {"real"}
+    qs = rows(runs / "base-t" / "seed0" / "questions.jsonl")                 # sampled with the teacher prompt + filter
+    assert len(qs) == 8 and all(q["question"] and q["answer"] for q in qs)
+
+
+def test_rerun_does_nothing_and_report(rows_run):
+    soar_dir, runs, _ = rows_run
+    before = {p: p.read_text() for p in runs.rglob("*.json*")}
+    p = eval_py("row", "base", "ps", "hard-only", "pq", "base-t", "--soar", str(soar_dir), "--runs", str(runs), *SMALL)
+    assert p.returncode == 0 and "nothing to do" in p.stdout
+    assert {p: p.read_text() for p in runs.rglob("*.json*")} == before
+    text = ev.cmd_report(ev.Config(runs=str(runs), soar=str(soar_dir), vendi_subset=8, vendi_draws=2))
+    for method in ("base", "ps", "hard-only", "pq", "base-t"):
+        assert any(x.startswith(f"| {method} | ") for x in text.splitlines())
+    assert (runs / "curves.png").exists() and (runs / "soar.png").exists()
+
+
+def descendants(pid):
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in map(int, f.read().split()):
+                out += [child] + descendants(child)
+    return out
+
+
+def test_kill_and_resume_gives_the_same_run(rows_run, tmp_path):
+    """kill -9 every process of a hard-only run after its first checkpoint (torchrun's workers live in
+    sessions of their own, so killing torchrun's group is not enough), rerun: same metrics, evals, result"""
+    import signal
+    import time
+    soar_dir, runs_a, _ = rows_run
+    runs = tmp_path / "runs"
+    d = runs / "hard-only" / "seed0"
+    p = eval_py("row", "hard-only", "--soar", str(soar_dir), "--runs", str(runs), *SMALL, wait=False)
+    deadline = time.time() + 600
+    while not (d / "ckpt" / "step-2").exists():
+        assert p.poll() is None and time.time() < deadline, p.stdout.read()[-3000:] if p.poll() is not None else ""
+        time.sleep(0.2)
+    for pid in descendants(p.pid)[::-1] + [p.pid]:
+        os.kill(pid, signal.SIGKILL)
+    p.wait()
+    assert not (d / "result.json").exists()
+    q = eval_py("row", "hard-only", "--soar", str(soar_dir), "--runs", str(runs), *SMALL)
+    assert q.returncode == 0, q.stdout[-3000:] + q.stderr[-3000:]
+    assert "resuming at step" in q.stdout
+    a = runs_a / "hard-only" / "seed0"
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]   # noqa: E731
+    assert strip(rows(d / "metrics.jsonl")) == strip(rows(a / "metrics.jsonl"))
+    assert rows(d / "evals.jsonl") == rows(a / "evals.jsonl")
+    assert json.loads((d / "result.json").read_text()) == json.loads((a / "result.json").read_text())
