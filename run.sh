@@ -6,7 +6,7 @@
 # Set-up installs requirements.txt into .venv once (again only when requirements.txt changes).
 set -euo pipefail
 cd "$(dirname "$0")"
-VENV=${VENV:-.venv}
+VENV=$(realpath -m "${VENV:-.venv}")   # set VENV to use another environment folder
 
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   GPUS=$(nvidia-smi -L | wc -l)
@@ -37,7 +37,7 @@ setup() {
 }
 
 setup
-export PATH="$PWD/$VENV/bin:$PATH"
+export PATH="$VENV/bin:$PATH"
 if [[ ${1:-} == test ]]; then
   shift
   exec python -m pytest -q tests "$@"
