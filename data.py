@@ -45,6 +45,7 @@ R_NONE = 0.0        # no boxed answer at all
 # ---- grading pool (NOTES.md: integer timeouts only; SIGALRM needs each worker's main thread) ----
 MV_TIMEOUT_S = 1          # math-verify parse and verify timeouts, each (an int: a float silently fails)
 DEADLINE_S = 6.0          # outer deadline per item: a worker past it is killed and replaced
+SPAWN_TIMEOUT_S = 120     # a worker's start (imports included), on a loaded machine too
 # per rank: the node's cores shared by the ranks on it (torchrun sets LOCAL_WORLD_SIZE)
 GRADE_WORKERS = max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
@@ -137,7 +138,9 @@ _TASKS = {"reward": student_reward, "parses": _answer_parses}
 
 def _worker(conn):
     import logging
+    import math_verify  # noqa: F401  (loaded before "ready": the deadline must not pay for imports)
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # timeouts are expected here, not news
+    conn.send("ready")
     while True:
         kind, args = conn.recv()
         try:
@@ -157,6 +160,9 @@ def _spawn():
     p = ctx.Process(target=_worker, args=(child,), daemon=True)
     p.start()
     child.close()
+    if not parent.poll(SPAWN_TIMEOUT_S) or parent.recv() != "ready":
+        p.kill()
+        raise RuntimeError(f"a grading worker did not start within {SPAWN_TIMEOUT_S}s")
     return [p, parent]
 
 

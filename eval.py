@@ -417,7 +417,7 @@ def train_run(cfg: Config, method: str, synthetic, real, test, llm, mesh, out: s
             bar.update(1)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", acc=f"{stats['accuracy']:.3f}")
             if step % cfg.ckpt_every == 0:
-                save_checkpoint(policy, out, step, settings, rank)
+                soar.save_checkpoint(out, step, {"policy": policy}, {"step": step, "settings": settings}, rank)
     res = dict(method=method, test=cfg.test, seed=cfg.seed, mode=cfg.mode, samples=samples, steps_done=step,
                n_synthetic=len(synthetic), n_real=len(real), **select(evals, rewards, cfg, offset))
     if rank == 0:
@@ -426,23 +426,6 @@ def train_run(cfg: Config, method: str, synthetic, real, test, llm, mesh, out: s
     dist.barrier()
     del policy
     return res
-
-
-def save_checkpoint(policy, out: str, step: int, settings: dict, rank: int) -> None:
-    """out/ckpt/step-N appears atomically (rename), holding the policy and the step; older ones go."""
-    final = os.path.join(out, "ckpt", f"step-{step}")
-    tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    rloo.save_state(policy, os.path.join(tmp, "policy"))
-    if rank == 0:
-        write_json(os.path.join(tmp, "state.json"), {"step": step, "settings": settings})
-        os.rename(tmp, final)
-        for old in soar.ckpt_dirs(out)[:-1]:
-            shutil.rmtree(old)
-    dist.barrier()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -289,21 +289,22 @@ def ckpt_dirs(out: str) -> list[str]:
     return [os.path.join(root, d) for d in sorted(done, key=lambda d: int(d[5:]))]
 
 
-def save_checkpoint(cfg, state, teacher, student, theta, rank):
-    final = os.path.join(cfg.out, "ckpt", f"step-{state['step']}")
+def save_checkpoint(out: str, step: int, policies: dict, state: dict, rank: int) -> None:
+    """out/ckpt/step-N: each policy's training state and state.json, appearing at once (a rename);
+    older checkpoints go. Shared with eval.py's fresh-student runs."""
+    final = os.path.join(out, "ckpt", f"step-{step}")
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    rloo.save_state(teacher, os.path.join(tmp, "teacher"))
-    rloo.restore(student, theta)       # the baseline, not the last student trained
-    rloo.save_state(student, os.path.join(tmp, "student"))
+    for name, policy in policies.items():
+        rloo.save_state(policy, os.path.join(tmp, name))
     if rank == 0:
         with open(os.path.join(tmp, "state.json"), "w") as f:
-            json.dump({**state, "config": dataclasses.asdict(cfg)}, f)
+            json.dump(state, f)
         os.rename(tmp, final)
-        for old in ckpt_dirs(cfg.out)[:-1]:
+        for old in ckpt_dirs(out)[:-1]:
             shutil.rmtree(old)
     dist.barrier()
 
@@ -470,10 +471,11 @@ def main(cfg: Config):
         if rank == 0:
             append_jsonl(metrics_path, [row])
         save_hf_atomic(teacher, os.path.join(cfg.out, "teacher"), tok, rank)
-        rloo.restore(student, theta)
+        rloo.restore(student, theta)   # the outputs hold the baseline, not the last student trained
         if chosen or step == first_step:  # theta changes only on promotion
             save_hf_atomic(student, os.path.join(cfg.out, "student"), tok, rank)
-        save_checkpoint(cfg, state, teacher, student, theta, rank)
+        save_checkpoint(cfg.out, state["step"], {"teacher": teacher, "student": student},
+                        {**state, "config": dataclasses.asdict(cfg)}, rank)
         bar.set_postfix(reward=f"{reward:+.3f}", ma="-" if ma is None else f"{ma:+.3f}",
                         promotions=state["promotions"])
     if rank == 0:

@@ -82,6 +82,7 @@ def test_flags_survive_torchrun():
     import sys
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--help"], capture_output=True, text=True).stdout
     theirs = {w.split("=")[0] for w in out.replace(",", " ").split() if w.startswith("--")}
-    ours = {"--" + f.name for f in soar.dataclasses.fields(Config)}
+    import eval as ev
+    ours = {"--" + f.name for c in (Config, ev.Config) for f in soar.dataclasses.fields(c)}
     assert len(theirs) > 20
     assert not {(a, b) for a in ours for b in theirs if b.startswith(a) or b.replace("-", "_").startswith(a)}
