@@ -488,6 +488,12 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
         raise SystemExit(f"missing inputs (method: path or flag): {missing}")
     cfg = resolve_world(cfg)
     teachers["base-t"] = cfg.model
+    ckpts = soar.ckpt_dirs(cfg.soar) if set(methods) & {"pq", "ps", "grounded-t"} else []
+    if ckpts:   # SOAR's outputs only mean something against the base model SOAR started from
+        with open(os.path.join(ckpts[-1], "state.json")) as f:
+            soar_model = json.load(f)["config"]["model"]
+        if os.path.realpath(soar_model) != os.path.realpath(cfg.model):
+            raise SystemExit(f"{cfg.soar} was run from {soar_model}, not from --model {cfg.model}")
     if not (cfg.hard and cfg.test):
         raise SystemExit("--hard and --test are required with --model: the fail@128 train and test splits")
     hard, test = data.load_problems(cfg.hard), data.load_problems(cfg.test)

@@ -201,6 +201,14 @@ def test_parse_args_world_defaults_and_paper_settings():
         ev.main(["row", "pq", "ps", "--soar", "/nonexistent"])
 
 
+def test_soar_output_of_another_base_model_is_refused(tmp_path):
+    write(str(tmp_path / "soar" / "metrics.jsonl"), {"step": 0})
+    write(str(tmp_path / "soar" / "ckpt" / "step-1" / "state.json"), {"step": 1, "config": {"model": "/other/model"}})
+    with pytest.raises(SystemExit, match="was run from /other/model"):
+        ev.main(["row", "pq", "--model", str(tmp_path / "m"), "--hard", "h", "--test", "t",
+                 "--soar", str(tmp_path / "soar"), "--runs", str(tmp_path / "runs")])
+
+
 # ---- end to end: the real engine on the small world, torchrun with 2 ranks ----
 SMALL = ["--world", "small", "--seeds", "0", "--steps", "6", "--eval_every", "2", "--ckpt_every", "2",
          "--samples", "4", "--questions", "2", "--passk_samples", "8", "--teacher_questions", "8",
