@@ -498,7 +498,7 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
         raise SystemExit("--hard and --test are required with --model: the fail@128 train and test splits")
     hard, test = data.load_problems(cfg.hard), data.load_problems(cfg.test)
     extra = data.load_problems(cfg.extra) if any(m.startswith("upper") for m in methods) else []
-    pq_path = os.path.join(cfg.soar, "pq.jsonl")   # written at the first promotion
+    pq_path = os.path.join(cfg.soar, "pq.jsonl")   # empty until a promotion
     pq = data.load_problems(pq_path) if "pq" in methods and os.path.exists(pq_path) else []
     custom = data.load_problems(cfg.synthetic) if cfg.synthetic else []
     rank, world, mesh, tok, llm = setup(cfg, [hard, test, extra, pq, custom], teacher=bool(set(methods) & set(teachers)))
@@ -590,6 +590,8 @@ def cmd_vendi(cfg: Config, files: list[str]) -> dict:
     res = {}
     for f in files:
         qs = [q["question"] for q in data.load_problems(f)]
+        if not qs:
+            raise ValueError(f"{f} has no questions")
         m, s = vendi_bootstrap(embed(qs, cfg), cfg.vendi_subset, cfg.vendi_draws)
         res[f] = dict(vendi=m, std=s, questions=len(qs), embed=cfg.embed)
         print(f"{f}: Vendi {m:.2f} +- {s:.2f} ({len(qs)} questions, subsets of {min(len(qs), cfg.vendi_subset)}, "

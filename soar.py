@@ -310,11 +310,13 @@ def save_checkpoint(out: str, step: int, policies: dict, state: dict, rank: int)
 
 
 def truncate_jsonl(path: str, step: int) -> None:
-    """Drop lines of steps >= step: written by a run killed before that step's checkpoint landed."""
+    """Drop lines of steps >= step: written by a run killed before that step's checkpoint landed.
+    Creates the file if missing (an empty pq.jsonl: no promotion yet)."""
+    rows = []
     if os.path.exists(path):
         with open(path) as f:
             rows = [json.loads(x) for x in f if x.strip()]
-        data.write_jsonl(path, [r for r in rows if r["step"] < step])
+    data.write_jsonl(path, [r for r in rows if r["step"] < step])
 
 
 def append_jsonl(path: str, rows: list[dict]) -> None:

@@ -5,12 +5,15 @@ need no GPU and no hub.
 
     python world.py [--out DIR] [--small] [--seed N]    # build (or reuse) and print the figures
 
-The family is integer addition, with the number of digits as the difficulty knob. The model is
-trained from synthetic text in SOAR's real formats: replies to the exact teacher prompt (through
-the chat template) and student-prompt solutions, both on the EASY end only (1-2 digits). The
-hard problems come from the harder end (3-4 digits) and are kept when the model gets 0 of 128
-samples right (SPEC.md "Data"): questions of intermediate size are what a teacher would have to
-discover to make the student improve there.
+The family is integer addition a + b, with the total number of digits as the difficulty knob
+("level": 2 is 1+1 digits, 3 is 2+1, 4 is 2+2, 5 is 3+2, ...); answers are plain integers. The
+model is trained from synthetic text in SOAR's real formats, on the EASY end only (levels 2-3):
+replies to the exact teacher prompt (through the chat template),
+<question>...</question><answer>\boxed{...}</answer>, and solutions after the student prompt that
+end "The final answer is: \boxed{...}.". It masters 1+1 digits and is weak at 2+1 (about 15% of
+samples right: the middle, where a student has learning signal). The hard problems are those of
+levels 4-5 it gets 0 of 128 samples right (SPEC.md "Data"): the same family one step further, so
+teacher questions around 2+1 and 2+2 digits are what could make a student improve on them.
 """
 import argparse
 import hashlib
@@ -23,10 +26,11 @@ import subprocess
 import sys
 import time
 
-import data  # light on purpose: data.grade's workers re-import the main script (keep torch/vllm lazy)
+import data  # the only import at the top: data.grade's workers re-import the main script, so torch
+             # and vllm stay inside the functions that need them
 
 # -----------------------------------------------------------------------------
-# the problem family: a + b, difficulty = digits of the larger operand
+# the problem family: a + b, difficulty = digits in all ("level": 2 = 1+1 digits, 3 = 2+1, 4 = 2+2, ...)
 TEMPLATES = ("What is {a} + {b}?", "Compute {a} + {b}.", "Find the sum of {a} and {b}.")
 
 # tokenizer: byte-level BPE, digits always single tokens (so numbers of any size are spelled the same way)
@@ -56,22 +60,25 @@ MAX_TOKENS = 48             # both formats end (EOS) well within this
 TEACHER_SAMPLES = 64        # teacher prompt samples for the valid-pair rate
 EASY_EVAL = 64              # easy problems for the student's greedy accuracy
 
-# the two worlds. easy: the digits the model is trained on (both formats); hard: the digits the
-# fail@k candidates are drawn from. The small one is one digit smaller all along, so it needs
-# fewer steps to learn its easy end
+# the two worlds. easy: the levels the model is trained on (both formats); hard: the levels the
+# fail@k candidates are drawn from. Default: trained on 1+1 and 2+1 digits, the tiny model masters
+# 1+1 and gets ~15% of 2+1 samples right, so every 2+1 sum passes fail@128 (measured: 40 of 40)
+# and the hard set starts next door, at 2+2 digits. Small: trained on 1+1 digits only, so it
+# learns its easy end in fewer steps
 SETTINGS = {
-    "default": dict(easy=(1, 2), hard=(3, 4), steps=600, candidates=128, k=128),
-    "small": dict(easy=(1,), hard=(2, 3), steps=300, candidates=24, k=32),
+    "default": dict(easy=(2, 3), hard=(4, 5), steps=600, candidates=96, k=128),
+    "small": dict(easy=(2,), hard=(3, 4), steps=300, candidates=32, k=32),
 }
-VERSION = 1                 # bump when the recipe changes: it is part of the cache key
+VERSION = 2                 # bump when the recipe changes: it is part of the cache key
 # -----------------------------------------------------------------------------
 
 
-def make_problem(rng: random.Random, digits: int) -> dict:
-    """a + b with one operand of exactly `digits` digits and the other of 1..digits digits."""
+def make_problem(rng: random.Random, level: int) -> dict:
+    """a + b with `level` digits in all (level >= 2), split as evenly as possible: 2 is 1+1 digits,
+    3 is 2+1, 4 is 2+2, 5 is 3+2, ... The answer is the plain integer."""
     def num(d):
         return rng.randrange(10 ** (d - 1) if d > 1 else 0, 10 ** d)
-    a, b = num(digits), num(rng.randint(1, digits))
+    a, b = num((level + 1) // 2), num(level // 2)
     if rng.random() < 0.5:
         a, b = b, a
     return {"question": rng.choice(TEMPLATES).format(a=a, b=b), "answer": str(a + b), "a": a, "b": b}
@@ -93,7 +100,7 @@ def build_tokenizer(seed: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     rng = random.Random(seed)
-    probs = [make_problem(rng, rng.randint(1, 4)) for _ in range(500)]
+    probs = [make_problem(rng, rng.randint(2, 8)) for _ in range(500)]
     corpus = [data.TEACHER_PROMPT, data.STUDENT_PROMPT] * 50 + \
              [p["question"] + student_solution(p) + teacher_reply(p) for p in probs]
     tok = Tokenizer(models.BPE())
@@ -204,31 +211,12 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, easy: tuple, s
 # -----------------------------------------------------------------------------
 # measuring, with the project's own engine and grader
 
-def correct_counts(llm, problems: list[dict], n: int, max_tokens: int, seed: int, temperature: float = 1.0):
-    """Correct samples out of n per problem (student prompt). Grading goes through data.grade on
-    the distinct (boxed answer, gold) pairs only: the reward depends on nothing else, and a tiny
-    model repeats itself a lot, so this is the same result for a fraction of the math-verify calls."""
-    import rloo
-    outs = rloo.generate(llm, [data.student_prompt(p["question"]) for p in problems], n=n,
-                         temperature=temperature, max_tokens=max_tokens, seed=seed)
-    keys = [(data.last_boxed(s.text), p["answer"]) for p, o in zip(problems, outs) for s in o]
-    uniq = sorted({k for k in keys if k[0] is not None})
-    rewards = dict(zip(uniq, data.grade(["\\boxed{" + b + "}" for b, _ in uniq], [g for _, g in uniq])))
-    ok = [rewards.get(k) == data.R_CORRECT for k in keys]
-    return [sum(ok[i * n:(i + 1) * n]) for i in range(len(problems))], outs
-
-
-def fail_at_k(llm, problems: list[dict], k: int = 128, max_tokens: int = MAX_TOKENS, seed: int = 0) -> list[dict]:
-    """The fail@k filter (SPEC.md "Data"): the problems with 0 correct of k samples at T = 1."""
-    counts, _ = correct_counts(llm, problems, k, max_tokens, seed)
-    return [p for p, c in zip(problems, counts) if c == 0]
-
-
 def measure(model_dir: str, s: dict, seed: int, log=print) -> tuple[dict, list[dict], list[int]]:
     """The world's figures, with rloo's engine and data's parser and grader: valid teacher pairs,
     greedy accuracy on the easy end, sampled accuracy per difficulty, and the fail@k filter.
     Returns (stats, fail@k candidates, their correct counts)."""
     import rloo
+    from eval import correct_counts  # here, not at the top: see the import of data
     rloo.init_distributed()  # a 1-rank group: build_engine's external_launcher wants one
     llm = rloo.build_engine(model_dir, max_model_len=MAX_MODEL_LEN, seed=seed)
     rng = random.Random(seed + 2)
@@ -239,25 +227,25 @@ def measure(model_dir: str, s: dict, seed: int, log=print) -> tuple[dict, list[d
     valid = sum(p is not None for p in pairs) / len(pairs)
     log(f"teacher: {valid:.0%} valid pairs, e.g. {teacher[0].text!r}")
     easy = [make_problem(rng, d) for d in s["easy"] for _ in range(EASY_EVAL // len(s["easy"]))]
-    counts, outs = correct_counts(llm, easy, 1, MAX_TOKENS, seed, temperature=0.0)
+    counts = correct_counts(llm, easy, n=1, max_tokens=MAX_TOKENS, seed=seed, temperature=0.0)
     easy_acc = sum(counts) / len(easy)
-    log(f"student: {easy_acc:.0%} greedy accuracy on {len(easy)} easy problems, e.g. {outs[-1][0].text!r}")
+    log(f"student: {easy_acc:.0%} greedy accuracy on {len(easy)} easy problems")
     sampled = {}  # where the learning signal lives: accuracy at T = 1 along the difficulty knob
-    for d in range(1, max(s["hard"]) + 1):
-        c, _ = correct_counts(llm, [make_problem(rng, d) for _ in range(16)], 16, MAX_TOKENS, seed + d)
+    for d in range(2, max(s["hard"]) + 1):
+        c = correct_counts(llm, [make_problem(rng, d) for _ in range(16)], n=16, max_tokens=MAX_TOKENS, seed=seed + d)
         sampled[d] = sum(c) / (16 * 16)
-    log("student: sampled accuracy (T=1) by digits " + ", ".join(f"{d}: {a:.1%}" for d, a in sampled.items()))
+    log("student: sampled accuracy (T=1) by level " + ", ".join(f"{d}: {a:.1%}" for d, a in sampled.items()))
     candidates, seen = [], set()
     while len(candidates) < s["candidates"]:  # distinct questions from the hard end
         p = make_problem(rng, rng.choice(s["hard"]))
         if p["question"] not in seen:
             seen.add(p["question"])
             candidates.append(p)
-    counts, _ = correct_counts(llm, candidates, s["k"], MAX_TOKENS, seed + 100)
+    counts = correct_counts(llm, candidates, n=s["k"], max_tokens=MAX_TOKENS, seed=seed + 100)
     kept = sum(c == 0 for c in counts)
-    log(f"fail@{s['k']}: {kept} of {len(candidates)} candidates ({'/'.join(map(str, s['hard']))} digits) "
+    log(f"fail@{s['k']}: {kept} of {len(candidates)} candidates (levels {'/'.join(map(str, s['hard']))}) "
         f"have 0 correct; measuring took {time.time() - t0:.0f}s")
-    stats = dict(valid_pair_rate=valid, easy_greedy_accuracy=easy_acc, sampled_accuracy_by_digits=sampled)
+    stats = dict(valid_pair_rate=valid, easy_greedy_accuracy=easy_acc, sampled_accuracy_by_level=sampled)
     return stats, candidates, counts
 
 
@@ -329,10 +317,13 @@ def build_world(out_dir: str | None = None, small: bool = False, seed: int = 0) 
         shutil.rmtree(tmp, ignore_errors=True)
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
         cmd = [sys.executable, os.path.abspath(__file__), "--here", "--out", tmp, "--seed", str(seed)]
-        subprocess.run(cmd + ["--small"] * small, env=env, check=True)
         try:
+            subprocess.run(cmd + ["--small"] * small, env=env, check=True)
             os.rename(tmp, out)
-        except OSError:  # another process finished the same world first: use theirs
+        except OSError:
+            if not os.path.exists(paths["stats"]):  # else another process finished it first: use theirs
+                raise
+        finally:
             shutil.rmtree(tmp, ignore_errors=True)
     with open(paths["stats"]) as f:
         stats = json.load(f)
@@ -355,8 +346,8 @@ def main():
         st = json.load(f)
     print(f"world: {paths['model']}  ({st['params'] / 1e6:.2f} M parameters, vocab {st['vocab']})")
     print(f"  valid teacher pairs {st['valid_pair_rate']:.0%}, easy greedy accuracy {st['easy_greedy_accuracy']:.0%}")
-    print("  sampled accuracy by digits: " +
-          ", ".join(f"{d}: {a:.1%}" for d, a in st["sampled_accuracy_by_digits"].items()))
+    print("  sampled accuracy by level: " +
+          ", ".join(f"{d}: {a:.1%}" for d, a in st["sampled_accuracy_by_level"].items()))
     print(f"  fail@{st['settings']['k']}: {st['hard']} of {st['candidates']} hard candidates -> "
           f"{st['train']} train ({paths['train']}), {st['test']} test ({paths['test']})")
     print(f"  built in {st['build_seconds']:.0f}s (training {st['train_seconds']:.0f}s)")
