@@ -7,13 +7,14 @@ need no GPU and no hub.
 
 The family is integer addition a + b, with the total number of digits as the difficulty knob
 ("level": 2 is 1+1 digits, 3 is 2+1, 4 is 2+2, 5 is 3+2, ...); answers are plain integers. The
-model is trained from synthetic text in SOAR's real formats, on the EASY end only (levels 2-3):
-replies to the exact teacher prompt (through the chat template),
-<question>...</question><answer>\boxed{...}</answer>, and solutions after the student prompt that
-end "The final answer is: \boxed{...}.". It masters 1+1 digits and is weak at 2+1 (about 15% of
-samples right: the middle, where a student has learning signal). The hard problems are those of
-levels 4-5 it gets 0 of 128 samples right (SPEC.md "Data"): the same family one step further, so
-teacher questions around 2+1 and 2+2 digits are what could make a student improve on them.
+model is trained from synthetic text in SOAR's real formats, on a mix weighted to the easy end
+(5/8 of examples 1+1 digits, 2/8 2+1, 1/8 2+2): replies to the exact teacher prompt (through the
+chat template), <question>...</question><answer>\boxed{...}</answer>, and solutions after the
+student prompt that end "The final answer is: \boxed{...}.". It masters 1+1 digits (~90% of
+samples right), is weak at 2+1 (~4%) and barely above guessing at 2+2 (~0.4%). The hard problems
+are those of levels 3-4 it gets 0 of 128 samples right (SPEC.md "Data"), mostly 2+2 sums and 2+1
+sums with a carry: at the edge of what it can do, so teacher questions around 2+1 and 2+2 digits
+can move a student on them (a default SOAR run sees R > 0 at some steps).
 """
 import argparse
 import hashlib
@@ -60,16 +61,19 @@ MAX_TOKENS = 48             # both formats end (EOS) well within this
 TEACHER_SAMPLES = 64        # teacher prompt samples for the valid-pair rate
 EASY_EVAL = 64              # easy problems for the student's greedy accuracy
 
-# the two worlds. easy: the levels the model is trained on (both formats); hard: the levels the
-# fail@k candidates are drawn from. Default: trained on 1+1 and 2+1 digits, the tiny model masters
-# 1+1 and gets ~15% of 2+1 samples right, so every 2+1 sum passes fail@128 (measured: 40 of 40)
-# and the hard set starts next door, at 2+2 digits. Small: trained on 1+1 digits only, so it
-# learns its easy end in fewer steps
+# the two worlds. easy: the levels the model is trained on, drawn uniformly from the tuple, so a
+# level listed n times gets n shares of the examples (the easy-accuracy check draws the same mix);
+# hard: the levels the fail@k candidates are drawn from. Default: mostly 1+1 digits, a little 2+1
+# and 2+2, so 2+1 stays weak (~4% of samples right) and 2+2 nearly out of reach (~0.4%); ~1/3 of
+# level 3-4 candidates pass fail@128 (measured: 71 of 224), so the hard set sits at the edge of
+# learnability (with levels 2-3 trained uniformly, every 2+1 sum was solved some of the time and
+# 2+2 was out of reach: no student ever moved). Small: trained on 1+1 digits only, so it learns
+# its easy end in fewer steps
 SETTINGS = {
-    "default": dict(easy=(2, 3), hard=(4, 5), steps=600, candidates=96, k=128),
+    "default": dict(easy=(2,) * 5 + (3, 3, 4), hard=(3, 4), steps=600, candidates=224, k=128),
     "small": dict(easy=(2,), hard=(3, 4), steps=300, candidates=32, k=32),
 }
-VERSION = 2                 # bump when the recipe changes: it is part of the cache key
+VERSION = 3                 # bump when the recipe changes: it is part of the cache key
 # -----------------------------------------------------------------------------
 
 
@@ -120,7 +124,7 @@ def _ids(tok, text):
 
 
 def train_model(model_dir: str, easy: tuple, steps: int, seed: int) -> None:
-    """Train a fresh tiny Llama on SOAR's two formats, easy end only, and save it next to the
+    """Train a fresh tiny Llama on SOAR's two formats, levels drawn from easy, and save it next to the
     tokenizer in model_dir. Data parallel over TRAIN_PROCS processes (gloo): same result as one
     process with the whole batch, up to float summation order."""
     import torch.multiprocessing as mp
