@@ -672,6 +672,7 @@ def plot_soar(metrics: list[dict], path: str) -> None:
     ax2 = ax.twinx()
     ax2.step(steps, [m["promotions"] for m in metrics], where="post", color="tab:red", alpha=0.6)
     ax2.set_ylabel("promotions", color="tab:red")
+    ax2.set_ylim(0, max(1, metrics[-1]["promotions"]) * 1.05)  # a count: from 0, also when it stays 0
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

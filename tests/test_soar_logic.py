@@ -1,4 +1,6 @@
 """Algorithm 1's decisions on hand-built reward tables (pure logic, no engine)."""
+import json
+
 import pytest
 
 import soar
@@ -63,6 +65,15 @@ def test_seeds_are_stable_and_distinct():
     cfg = Config(seed=3)
     assert soar.seed_of(cfg, 5, "teacher", 0) == soar.seed_of(Config(seed=3), 5, "teacher", 0)
     assert len({soar.seed_of(cfg, s, "student", k) for s in range(20) for k in range(4)}) == 80
+
+
+def test_truncate_jsonl_drops_uncommitted_steps_and_creates_missing(tmp_path):
+    path = str(tmp_path / "pq.jsonl")
+    soar.truncate_jsonl(path, 0)   # a fresh run: an empty pq.jsonl exists before any promotion
+    assert open(path).read() == ""
+    soar.append_jsonl(path, [{"step": s, "question": f"q{s}"} for s in range(4)])
+    soar.truncate_jsonl(path, 2)   # resuming at step 2: rows of steps 2 and 3 were never committed
+    assert [json.loads(x)["step"] for x in open(path)] == [0, 1]
 
 
 def test_parse_args_world_defaults_and_overrides():
