@@ -198,14 +198,17 @@ def _pool_map(kind: str, items: list[tuple], on_timeout) -> list:
 
 def grade(completions: list[str], golds: list[str]) -> list[float]:
     """student_reward for a batch, safely: a pathological answer costs at most DEADLINE_S of one worker
-    and is graded as a wrong boxed answer (R_BOXED)."""
+    and is graded as a wrong boxed answer (R_BOXED). The reward depends on (last boxed answer, gold)
+    alone, so each distinct pair goes to the workers once: samples repeat a lot."""
     if len(completions) != len(golds):
         raise ValueError(f"grade: {len(completions)} completions but {len(golds)} gold answers")
-    rewards = [R_NONE] * len(completions)
-    boxed = [i for i, c in enumerate(completions) if last_boxed(c) is not None]  # no box: 0, no worker needed
-    for i, r in zip(boxed, _pool_map("reward", [(completions[i], golds[i]) for i in boxed], R_BOXED)):
-        rewards[i] = r
-    return rewards
+    keys = [(last_boxed(c), g) for c, g in zip(completions, golds)]
+    first = {}  # distinct pair -> its first completion; no box: R_NONE, no worker needed
+    for i, k in enumerate(keys):
+        if k[0] is not None:
+            first.setdefault(k, i)
+    graded = dict(zip(first, _pool_map("reward", [(completions[i], golds[i]) for i in first.values()], R_BOXED)))
+    return [graded.get(k, R_NONE) for k in keys]
 
 
 def parse_teacher_batch(texts: list[str]) -> list[tuple[str, str] | None]:
@@ -289,6 +292,11 @@ def load_problems(source: str) -> list[dict]:
     if source.endswith(".parquet"):
         return _check_rows(_read_parquet(source), source)
     return _check_rows(_read_jsonl(source), source)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a jsonl file we wrote (metrics, evals, counts); none if it does not exist yet."""
+    return [row for _, row in _read_jsonl(path)] if os.path.exists(path) else []
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:

@@ -288,9 +288,7 @@ def correct_counts(llm, problems: list[dict], *, n: int, max_tokens: int, seed: 
                    group=None, chunk: int = 0, progress: bool = False) -> list[int]:
     """How many of n samples (student prompt) are correct (the 120 case) for each problem. Done in
     chunks of prompts so 5000 x 128 samples never sit in memory at once; request i carries seed + i
-    whatever the chunking (rloo.generate), so results do not depend on it. The reward is a function
-    of (last boxed answer, gold) alone (data.student_reward), so only the distinct pairs are graded:
-    the same result for a fraction of the math-verify calls (samples repeat a lot)."""
+    whatever the chunking (rloo.generate), so results do not depend on it."""
     grade = soar.grade if dist.is_initialized() else (lambda c, g, _: data.grade(c, g))
     chunk = chunk or max(1, 8192 // n)
     counts = []
@@ -298,11 +296,8 @@ def correct_counts(llm, problems: list[dict], *, n: int, max_tokens: int, seed: 
         part = problems[lo:lo + chunk]
         outs = rloo.generate(llm, [data.student_prompt(p["question"]) for p in part], n=n, temperature=temperature,
                              max_tokens=max_tokens, seed=seed + lo, group=group)
-        keys = [(data.last_boxed(s.text), p["answer"]) for p, o in zip(part, outs) for s in o]
-        uniq = sorted({k for k in keys if k[0] is not None})   # the same order on every rank
-        rewards = dict(zip(uniq, grade(["\\boxed{" + b + "}" for b, _ in uniq], [g for _, g in uniq], group)))
-        ok = [rewards.get(k) == data.R_CORRECT for k in keys]
-        counts += [sum(ok[i * n:(i + 1) * n]) for i in range(len(part))]
+        rewards = grade([s.text for o in outs for s in o], [p["answer"] for p in part for _ in range(n)], group)
+        counts += [sum(r == data.R_CORRECT for r in rewards[i * n:(i + 1) * n]) for i in range(len(part))]
     return counts
 
 
@@ -337,13 +332,6 @@ def sample_teacher(path: str, n: int, cfg: Config, llm, tok, mesh) -> list[dict]
 
 # ---------------------------------------------------------------------------------------------
 # one run folder
-
-def read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(x) for x in f if x.strip()]
-
 
 def write_json(path: str, obj) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -391,8 +379,8 @@ def train_run(cfg: Config, method: str, synthetic, real, test, llm, mesh, out: s
         print(f"{method} seed {cfg.seed}: {len(synthetic)} synthetic + {len(real)} real questions, {cfg.mode}, "
               f"group {samples}; {'resuming at' if start else 'starting at'} step {start} -> {out}", flush=True)
     dist.barrier()
-    rewards = [m["reward"] for m in read_jsonl(metrics_path)]
-    evals = read_jsonl(evals_path)
+    rewards = [m["reward"] for m in data.read_jsonl(metrics_path)]
+    evals = data.read_jsonl(evals_path)
     step = start
     with tqdm(total=cfg.steps, initial=start, disable=rank != 0, desc=method, dynamic_ncols=True) as bar:
         while True:
@@ -440,12 +428,10 @@ def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False):
     rank, world, device = rloo.init_distributed()
     mesh = init_device_mesh(device.type, (world,))
     tok = AutoTokenizer.from_pretrained(cfg.model)
-    longest = max([len(tok(q["question"]).input_ids) for qs in question_sets for q in qs] +
-                  [cfg.teacher_max_tokens if teacher else 0])
-    overhead = len(tok(data.student_prompt("")).input_ids) + 16
-    sampling = len(tok(data.teacher_prompt(tok)).input_ids) + cfg.teacher_max_tokens + 16 if teacher else 0
+    questions = [q["question"] for qs in question_sets for q in qs]
     llm = rloo.build_engine(cfg.model, seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            max_model_len=max(overhead + longest + cfg.max_tokens, sampling))
+                            max_model_len=soar.engine_len(tok, questions, cfg.max_tokens,
+                                                          cfg.teacher_max_tokens if teacher else 0))
     ENGINES.append(llm)
     return rank, world, mesh, tok, llm
 
@@ -456,9 +442,7 @@ def resolve_world(cfg: Config) -> Config:
         return cfg
     import world as tiny_world
     rloo.init_distributed()
-    paths = tiny_world.build_world(small=cfg.world == "small") if dist.get_rank() == 0 else None
-    dist.barrier()
-    paths = paths or tiny_world.build_world(small=cfg.world == "small")
+    paths = tiny_world.build_world_all_ranks(small=cfg.world == "small")
     return dataclasses.replace(cfg, model=paths["model"], hard=cfg.hard or paths["train"],
                                test=cfg.test or paths["test"])
 
@@ -519,7 +503,7 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
             else:
                 if method in teachers:   # questions of a teacher: sampled once per seed, kept in the run folder
                     qpath = os.path.join(out, "questions.jsonl")
-                    synthetic = read_jsonl(qpath)
+                    synthetic = data.read_jsonl(qpath)
                     if not synthetic:
                         synthetic = sample_teacher(teachers[method], cfg.teacher_questions, run, llm, tok, mesh)
                         if rank == 0:
@@ -560,7 +544,7 @@ def cmd_filter(cfg: Config, pools: list[str]) -> None:
     for pool, probs in problems.items():
         out = os.path.join(cfg.out, os.path.splitext(os.path.basename(pool))[0])
         counts_path = os.path.join(out, "counts.jsonl")
-        have = read_jsonl(counts_path)
+        have = data.read_jsonl(counts_path)
         if rank == 0:
             os.makedirs(out, exist_ok=True)
             print(f"{pool}: {len(probs)} problems, {len(have)} done", flush=True)
@@ -571,7 +555,7 @@ def cmd_filter(cfg: Config, pools: list[str]) -> None:
             if rank == 0:
                 soar.append_jsonl(counts_path, [{"index": lo + i, "correct": c} for i, c in enumerate(counts)])
             dist.barrier()
-        counts = [r["correct"] for r in read_jsonl(counts_path)]
+        counts = [r["correct"] for r in data.read_jsonl(counts_path)]
         hard = [p for p, c in zip(probs, counts) if c == 0]
         train, test = data.split_train_test(hard, cfg.split_seed)
         if rank == 0:
@@ -625,7 +609,7 @@ def plot_curves(results: list[dict], path: str) -> bool:
     import matplotlib.pyplot as plt
     curves = {}
     for r in results:
-        for e in read_jsonl(os.path.join(r["dir"], "evals.jsonl")):
+        for e in data.read_jsonl(os.path.join(r["dir"], "evals.jsonl")):
             for k in (k for k in e if k.startswith("pass@")):
                 curves.setdefault((r["test"], r["method"], k), {}).setdefault(e["step"], []).append(e[k])
     if not curves:
@@ -700,14 +684,14 @@ def cmd_report(cfg: Config) -> str:
         lines += [f"## Diversity: Vendi score ({cfg.embed} embedding, subsets of {cfg.vendi_subset}, "
                   f"{cfg.vendi_draws} draws; mean ± std)", "", "| questions | Vendi | n |", "|---|---|---|"]
         for m in ordered(sets):
-            qs = [q["question"] for p in sets[m] for q in read_jsonl(p)]
+            qs = [q["question"] for p in sets[m] for q in data.read_jsonl(p)]
             if qs:
                 lines.append("| {} | {:.2f} ± {:.2f} | {} |".format(
                     m, *vendi_bootstrap(embed(qs, cfg), cfg.vendi_subset, cfg.vendi_draws), len(qs)))
         lines.append("")
     if plot_curves(results, os.path.join(out, "curves.png")):
         lines += ["## Test pass@k over fresh-student training", "", "![curves](curves.png)", ""]
-    metrics = read_jsonl(os.path.join(cfg.soar, "metrics.jsonl"))
+    metrics = data.read_jsonl(os.path.join(cfg.soar, "metrics.jsonl"))
     if metrics:
         plot_soar(metrics, os.path.join(out, "soar.png"))
         lines += [f"## SOAR ({cfg.soar}): {len(metrics)} outer steps, {metrics[-1]['promotions']} promotions", "",

@@ -32,7 +32,6 @@ import json
 import os
 import random
 import shutil
-import statistics
 import sys
 import time
 from collections import defaultdict
@@ -197,6 +196,15 @@ def grade(completions: list[str], golds: list[str], group) -> list[float]:
                      list(zip(completions, golds)), group)
 
 
+def engine_len(tok, questions: list[str], student_max_tokens: int, teacher_max_tokens: int) -> int:
+    """The engines' context: the student prompt around the longest question (a teacher sample may
+    be one) plus a completion, or the teacher prompt plus a teacher sample; 16 tokens of slack."""
+    longest = max([len(tok(q).input_ids) for q in questions] + [teacher_max_tokens])
+    student = len(tok(data.student_prompt("")).input_ids) + longest + student_max_tokens
+    teacher = len(tok(data.teacher_prompt(tok)).input_ids) + teacher_max_tokens if teacher_max_tokens else 0
+    return max(student, teacher) + 16
+
+
 def my_rows(rows: list, group) -> list:
     lo, hi = rloo._chunk(len(rows), dist.get_rank(group), dist.get_world_size(group))
     return rows[lo:hi]
@@ -312,11 +320,7 @@ def save_checkpoint(out: str, step: int, policies: dict, state: dict, rank: int)
 def truncate_jsonl(path: str, step: int) -> None:
     """Drop lines of steps >= step: written by a run killed before that step's checkpoint landed.
     Creates the file if missing (an empty pq.jsonl: no promotion yet)."""
-    rows = []
-    if os.path.exists(path):
-        with open(path) as f:
-            rows = [json.loads(x) for x in f if x.strip()]
-    data.write_jsonl(path, [r for r in rows if r["step"] < step])
+    data.write_jsonl(path, [r for r in data.read_jsonl(path) if r["step"] < step])
 
 
 def append_jsonl(path: str, rows: list[dict]) -> None:
@@ -340,11 +344,9 @@ def save_hf_atomic(policy, path, tokenizer, rank):
 def main(cfg: Config):
     rank, world, device = rloo.init_distributed()
     world_group = dist.group.WORLD
-    if not cfg.model:  # the built-in world: rank 0 builds it (cached), the others wait and reuse
+    if not cfg.model:  # the built-in world (cached)
         import world as tiny_world
-        paths = tiny_world.build_world(small=cfg.world == "small") if rank == 0 else None
-        dist.barrier()
-        paths = paths or tiny_world.build_world(small=cfg.world == "small")
+        paths = tiny_world.build_world_all_ranks(small=cfg.world == "small")
         cfg.model, cfg.train = paths["model"], cfg.train or paths["train"]
     if not cfg.train:
         raise SystemExit("--train is required with --model: the hard train split (jsonl/parquet, question/answer)")
@@ -382,10 +384,9 @@ def main(cfg: Config):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.model)
     prompt = data.teacher_prompt(tok)
-    longest_q = max(len(tok(q["question"]).input_ids) for q in hard)
-    overhead = len(tok(data.student_prompt("")).input_ids) + 16
     llm = rloo.build_engine(cfg.model, seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            max_model_len=overhead + max(longest_q, cfg.teacher_max_tokens) + cfg.student_max_tokens)
+                            max_model_len=engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
+                                                     cfg.teacher_max_tokens))
     teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr, warmup_steps=cfg.teacher_warmup,
                                total_steps=cfg.steps, kl_coef=cfg.kl_coef,
                                activation_checkpointing=cfg.activation_checkpointing)

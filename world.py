@@ -128,15 +128,9 @@ def train_model(model_dir: str, easy: tuple, steps: int, seed: int) -> None:
     tokenizer in model_dir. Data parallel over TRAIN_PROCS processes (gloo): same result as one
     process with the whole batch, up to float summation order."""
     import torch.multiprocessing as mp
-    port = _free_port()
+    import rloo
+    port = rloo._free_port()
     mp.spawn(_train_rank, args=(TRAIN_PROCS, port, model_dir, easy, steps, seed), nprocs=TRAIN_PROCS)
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train_rank(rank: int, world: int, port: int, model_dir: str, easy: tuple, steps: int, seed: int):
@@ -334,6 +328,15 @@ def build_world(out_dir: str | None = None, small: bool = False, seed: int = 0) 
     if stats["key"] != key:
         raise ValueError(f"{out} holds a world built with other settings (key {stats['key']}, want {key})")
     return paths
+
+
+def build_world_all_ranks(small: bool = False) -> dict:
+    """build_world from every rank of a torch.distributed job: rank 0 builds it (or finds it built)
+    while the others wait, then they reuse it."""
+    import torch.distributed as dist
+    paths = build_world(small=small) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return paths or build_world(small=small)
 
 
 def main():

@@ -69,7 +69,7 @@ def test_grade_pathological_batch_is_bounded_and_pool_survives():
     bad = ["\\boxed{2^{2^{2^{2^{2^{2^{2^{2}}}}}}}}", "\\boxed{9^{9^{9}}}", "\\boxed{100000000!}"]
     for i in range(16):
         comps.append(bad[i % 3])
-        golds.append("5")
+        golds.append(str(-1 - i))   # 16 distinct pairs (grade() sends each distinct pair once)
     order = list(range(256))
     random.Random(0).shuffle(order)
     comps, golds = [comps[i] for i in order], [golds[i] for i in order]
@@ -82,6 +82,16 @@ def test_grade_pathological_batch_is_bounded_and_pool_survives():
         else:
             assert r == (R_CORRECT if c.endswith(f"{{{g}}}.") else R_BOXED), (c, g, r)
     assert data.grade(["\\boxed{4}", "\\boxed{5}"], ["4", "4"]) == [R_CORRECT, R_BOXED]  # pool still usable
+
+
+def test_grade_sends_each_distinct_pair_once(monkeypatch):
+    sent, pool_map = [], data._pool_map
+    monkeypatch.setattr(data, "_pool_map", lambda kind, items, on_timeout: sent.extend(items) or
+                        pool_map(kind, items, on_timeout))
+    comps = ["so \\boxed{4}", "\\boxed{4}", "no box", "\\boxed{0.5}", "\\boxed{4}", "\\boxed{0.5}"]
+    golds = ["4", "4", "4", "1/2", "5", "1/2"]
+    assert data.grade(comps, golds) == [data.student_reward(c, g) for c, g in zip(comps, golds)]
+    assert sent == [("so \\boxed{4}", "4"), ("\\boxed{0.5}", "1/2"), ("\\boxed{4}", "5")]
 
 
 def test_grade_length_mismatch():
