@@ -62,6 +62,11 @@ def test_small_world_model_folder(small_world):
     assert data.TEACHER_PROMPT in prompt and tok.eos_token and tok.pad_token
     # same ids with or without special tokens: nothing is added behind the caller's back
     assert tok(prompt)["input_ids"] == tok(prompt, add_special_tokens=False)["input_ids"]
+    # the engines' context holds a teacher prompt + reply and a student prompt + completion
+    import soar
+    q = "What is 12 + 345?"
+    n = soar.engine_len(tok, [q], student_max_tokens=48, teacher_max_tokens=48)
+    assert n >= len(tok(prompt)["input_ids"]) + 48 and n >= len(tok(data.student_prompt(q))["input_ids"]) + 48
 
 
 def test_small_world_is_reused(small_world):
