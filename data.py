@@ -4,7 +4,7 @@ Everything that touches model text lives here. Model output is only ever *parsed
 (math-verify turns LaTeX into sympy objects; nothing is executed or eval'ed), and every
 math-verify call on model text runs in a pool of worker processes with integer timeouts and
 an outer deadline, because adversarial answers (power towers, huge factorials) can otherwise
-hang a step for minutes (NOTES.md, "math-verify 0.9.0").
+hang a step for minutes (math-verify 0.9's own timeouts are SIGALRM-based and integer-only).
 
     python data.py math /tmp/math.jsonl     # fetch a hub pool into a local jsonl (connected machine)
 """
@@ -13,12 +13,17 @@ import multiprocessing as mp
 import os
 import random
 import re
+import shutil
+import statistics
 import sys
 import time
+import zlib
 from collections import deque
 from multiprocessing.connection import wait
 
-# ---- prompts (SPEC.md "Prompts", verbatim from the paper) ----
+import numpy as np
+
+# ---- prompts (METHOD.md "Prompts", verbatim from the paper) ----
 TEACHER_PROMPT = """You are generating a new math problem for a math assistant.
 Allowed topics: Algebra, Counting and Probability, Geometry, Intermediate Algebra, Number Theory, Prealgebra, or Precalculus.
 
@@ -36,20 +41,21 @@ STUDENT_PROMPT = """A conversation between User and Assistant. The user asks a q
 
 User: {question} Assistant:"""
 
-# ---- rewards (SPEC.md "Rewards") ----
+# ---- rewards (METHOD.md "Rewards") ----
 R_CORRECT = 120.0   # boxed answer verifies against the gold answer
 R_CONTAINS = 20.0   # boxed, not verified, but the gold string occurs inside the boxed answer
 R_BOXED = 10.0      # boxed, neither of the above (also: grading timed out)
 R_NONE = 0.0        # no boxed answer at all
 
-# ---- grading pool (NOTES.md: integer timeouts only; SIGALRM needs each worker's main thread) ----
+# ---- grading pool: math-verify's timeouts are integer seconds (a float silently fails) and use SIGALRM,
+# which works only in a process's main thread: hence worker processes, not threads ----
 MV_TIMEOUT_S = 1          # math-verify parse and verify timeouts, each (an int: a float silently fails)
 DEADLINE_S = 6.0          # outer deadline per item: a worker past it is killed and replaced
 SPAWN_TIMEOUT_S = 120     # a worker's start (imports included), on a loaded machine too
 # per rank: the node's cores shared by the ranks on it (torchrun sets LOCAL_WORLD_SIZE)
 GRADE_WORKERS = max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
-# ---- hub pools (SPEC.md "Data"); a local .jsonl/.parquet path with question/answer works offline ----
+# ---- hub pools (METHOD.md "Data"); a local .jsonl/.parquet path with question/answer works offline ----
 HUB = {
     "math": ("EleutherAI/hendrycks_math", "*/test-*.parquet"),
     "olympiad": ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP/*.parquet"),
@@ -89,7 +95,7 @@ _Q = re.compile(r"<question>(.*?)(?:</question>|<question>)(.*?)<answer>(.*?)</a
 def _parse_teacher_text(text: str) -> tuple[str, str] | None:
     """The string half of the format filter: tags, exactly one problem, a boxed answer."""
     # exactly one problem: one answer block, and one question opener (two when the paper's
-    # `<question>` closer is used, see SPEC.md)
+    # `<question>` closer is used, METHOD.md "Format filter")
     if text.count("<answer>") != 1 or text.count("</answer>") != 1:
         return None
     n_open, n_close = text.count("<question>"), text.count("</question>")
@@ -112,7 +118,7 @@ def _mv_parse(s: str):
 
 
 def student_reward(completion: str, gold: str) -> float:
-    """120/20/10/0 of SPEC.md. Runs math-verify in this process: use grade() on model output."""
+    """120/20/10/0 (METHOD.md "Rewards"). Runs math-verify in this process: use grade() on model output."""
     boxed = last_boxed(completion)
     if boxed is None:
         return R_NONE
@@ -121,11 +127,6 @@ def student_reward(completion: str, gold: str) -> float:
     if pred and ref and verify(ref, pred, timeout_seconds=MV_TIMEOUT_S):  # gold first: verify is asymmetric
         return R_CORRECT
     return R_CONTAINS if gold.strip() and gold.strip() in boxed else R_BOXED
-
-
-def is_correct(completion: str, gold: str) -> bool:
-    """Binary accuracy (SPEC.md: the 120 case), for Acc on Q_R and pass@k."""
-    return student_reward(completion, gold) == R_CORRECT
 
 
 def _answer_parses(answer: str) -> bool:
@@ -212,17 +213,13 @@ def grade(completions: list[str], golds: list[str]) -> list[float]:
 
 
 def parse_teacher_batch(texts: list[str]) -> list[tuple[str, str] | None]:
-    """The format filter of SPEC.md on a batch: tags, one problem, and a boxed answer math-verify parses."""
+    """The format filter (METHOD.md "Format filter") on a batch: tags, one problem, a boxed answer math-verify parses."""
     pairs = [_parse_teacher_text(t) for t in texts]
     idx = [i for i, p in enumerate(pairs) if p is not None]
     for i, ok in zip(idx, _pool_map("parses", [(pairs[i][1],) for i in idx], False)):
         if not ok:
             pairs[i] = None
     return pairs
-
-
-def parse_teacher(text: str) -> tuple[str, str] | None:
-    return parse_teacher_batch([text])[0]
 
 
 # ---- datasets ----
@@ -299,17 +296,51 @@ def read_jsonl(path: str) -> list[dict]:
     return [row for _, row in _read_jsonl(path)] if os.path.exists(path) else []
 
 
-def write_jsonl(path: str, rows: list[dict]) -> None:
-    """Atomic: a crash mid-write never leaves a half file under the final name."""
+def publish(tmp: str, path: str) -> None:
+    """Put the finished file or folder `tmp` in place of `path`, so a reader (or a crash) never
+    sees a half-written one: a file by one os.replace; a folder is renamed over after the old one
+    is moved aside to path.old."""
+    if os.path.isdir(tmp) and os.path.exists(path):
+        shutil.rmtree(path + ".old", ignore_errors=True)
+        os.rename(path, path + ".old")
+        os.rename(tmp, path)
+        shutil.rmtree(path + ".old")
+    else:
+        os.replace(tmp, path)
+
+
+def write_text(path: str, text: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    publish(path + ".tmp", path)
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def write_json(path: str, obj) -> None:
+    write_text(path, json.dumps(obj, indent=1))
+
+
+def append_jsonl(path: str, rows: list[dict]) -> None:
+    """Append and fsync: a row that was logged survives a crash."""
+    with open(path, "a", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(path + ".tmp", path)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def truncate_jsonl(path: str, step: int) -> None:
+    """Drop rows of steps >= step (logged by a run killed before that step's checkpoint landed).
+    Creates the file if missing (an empty pq.jsonl: no promotion yet)."""
+    write_jsonl(path, [r for r in read_jsonl(path) if r["step"] < step])
 
 
 def split_train_test(problems: list[dict], seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """SPEC.md: the fail@128 survivors split 50/50 at random with a fixed seed."""
+    """The fail@128 survivors split 50/50 at random with a fixed seed (METHOD.md "Data")."""
     idx = list(range(len(problems)))
     random.Random(seed).shuffle(idx)
     half = len(idx) // 2
@@ -317,10 +348,66 @@ def split_train_test(problems: list[dict], seed: int = 0) -> tuple[list[dict], l
 
 
 def sample_questions(problems: list[dict], m: int, rng: random.Random) -> list[dict]:
-    """Q_R: m hard train problems, fresh each outer step (SPEC.md Algorithm 1, step 3)."""
+    """Q_R: m hard train problems, fresh each outer step (METHOD.md "Algorithm 1", step 3)."""
     if len(problems) < m:
         raise ValueError(f"need M={m} questions for Q_R but the hard train split has only {len(problems)}")
     return rng.sample(problems, m)
+
+
+# ---- diversity (METHOD.md "Diversity")
+
+def embed_ngram(texts: list[str], dim: int = 4096, n: int = 3) -> np.ndarray:
+    """Character n-gram counts hashed into `dim` buckets (crc32: stable across runs), L2-normalised.
+    The default because it needs no model and no network and is deterministic: it measures surface
+    diversity, which is what separates the teachers in the paper (Intrinsic-T's collapse onto
+    near-copies). Its numbers are not on the scale of the paper's (embeddings of a large LM); pass
+    --embed <HF model> for a semantic embedding, and compare methods only under one embedding."""
+    X = np.zeros((len(texts), dim))
+    for r, t in enumerate(texts):
+        t = " ".join(t.lower().split())
+        for i in range(max(1, len(t) - n + 1)):
+            X[r, zlib.crc32(t[i:i + n].encode()) % dim] += 1
+    return X / np.maximum(np.linalg.norm(X, axis=1, keepdims=True), 1e-12)
+
+
+def embed_hf(texts: list[str], path: str, batch: int = 32) -> np.ndarray:
+    """Mean-pooled last hidden states of a HF model (e.g. the base model, or a sentence encoder)."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    tok.pad_token = tok.pad_token or tok.eos_token
+    out = []
+    for i in range(0, len(texts), batch):
+        enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, truncation=True, max_length=512)
+        with torch.no_grad():
+            h = model(**enc).last_hidden_state
+        m = enc.attention_mask[..., None].to(h.dtype)
+        out.append(((h * m).sum(1) / m.sum(1)).float().numpy())
+    return np.concatenate(out)
+
+
+def vendi(X: np.ndarray) -> float:
+    """VS = exp(-sum l log l) over the eigenvalues l of K/n, K the cosine kernel of the rows of X.
+    Identical items give 1, mutually orthogonal ones give n."""
+    X = X / np.maximum(np.linalg.norm(X, axis=1, keepdims=True), 1e-12)
+    lam = np.linalg.eigvalsh(X @ X.T / len(X))
+    lam = lam[lam > 1e-12]
+    return float(np.exp(-(lam * np.log(lam)).sum()))
+
+
+def vendi_bootstrap(X: np.ndarray, subset: int = 128, draws: int = 100, seed: int = 0) -> tuple[float, float]:
+    """Mean and std of VS over `draws` random subsets of `subset` questions, drawn without
+    replacement (duplicates would read as lost diversity); a set of <= subset questions is one draw."""
+    if len(X) <= subset:
+        return vendi(X), 0.0
+    rng = np.random.default_rng(seed)
+    vs = [vendi(X[rng.choice(len(X), subset, replace=False)]) for _ in range(draws)]
+    return statistics.fmean(vs), (statistics.stdev(vs) if draws > 1 else 0.0)
+
+
+def embed(texts: list[str], how: str = "ngram") -> np.ndarray:
+    """question embeddings for Vendi: "ngram", or a HF model path"""
+    return embed_ngram(texts) if how == "ngram" else embed_hf(texts, how)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,23 @@
-"""Evaluation of SOAR (SPEC.md "Evaluation protocol" and "Data"): pass@k, the fail@128 filter,
-fresh-student RLOO runs with the early-stopping rule, the rows of the paper's Tables 4-6, Vendi
-diversity, and a report (markdown table + PNG plots).
+"""Evaluation of SOAR (METHOD.md "Evaluation protocol"): pass@k, the fail@128 filter, fresh-student
+RLOO runs with the early-stopping rule, the rows of the paper's Tables 4-6, Vendi diversity, and a
+report (markdown table + PNG plots).
 
     python eval.py filter math harp olympiad --model M --out data    # data/<pool>/{train,test}.jsonl
     torchrun --nproc_per_node 8 eval.py row base ps hard-only pq grounded-t base-t --model M \\
-        --hard data/math/train.jsonl --test data/math/test.jsonl --soar runs/math --runs runs/eval/math \\
+        --train data/math/train.jsonl --test data/math/test.jsonl --soar runs/math --runs runs/eval/math \\
         --mode curriculum --seeds 0,1,2
-    torchrun --nproc_per_node 8 eval.py row pq --model M --hard data/math/train.jsonl \\
+    torchrun --nproc_per_node 8 eval.py row pq --model M --train data/math/train.jsonl \\
         --test data/olympiad/test.jsonl --soar runs/math --runs runs/eval/olympiad --fixed_step 50
     python eval.py train --synthetic my_questions.jsonl --name mine ...   # any question set + hard train
     python eval.py sample-teacher runs/math/teacher --out q.jsonl        # 128 teacher questions
     python eval.py vendi q.jsonl runs/math/pq.jsonl                      # diversity
     python eval.py report --runs runs/eval/math --soar runs/math         # report.md + PNGs in --runs
-Without --model everything runs on the built-in world (world.py) with small settings (WORLD_DEFAULTS).
+Without --model everything runs on the built-in world (world.py) with its preset (world.PRESET).
 
 A run folder is <runs>/<method>/seed<s>/: metrics.jsonl (one line per training step), evals.jsonl
 (test pass@k every --eval_every steps), ckpt/ (resume), result.json (the row's numbers; a run that
 has one is finished and is skipped when the command is rerun; any other rerun continues).
 """
-import argparse
 import dataclasses
 import glob
 import json
@@ -27,27 +26,24 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import time
-import zlib
 
 import numpy as np
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 import data
 import rloo
-import soar
+import world
 
 
 @dataclasses.dataclass
 class Config:
     # ---- what to evaluate ----
     model: str = ""             # base model (every fresh student starts here); "" = the built-in world
-    world: str = "default"      # which built-in world without --model: "default" or "small" (tests)
-    hard: str = ""              # hard train split (question/answer jsonl/parquet); "" = the world's
+    world: str = "default"      # the built-in world without --model: default, or small (the tests')
+    train: str = ""             # hard train split (question/answer jsonl/parquet); "" = the world's
     test: str = ""              # hard test split; "" = the world's
     soar: str = "runs/soar"     # a soar.py --out folder: pq.jsonl, student/, teacher/, metrics.jsonl
     teacher: str = ""           # teacher HF folder for grounded-t; "" = <soar>/teacher
@@ -58,56 +54,49 @@ class Config:
     runs: str = "runs/eval"     # run folders: <runs>/<method>/seed<s>/; the report goes here too
     out: str = ""               # `filter`: output folder; `sample-teacher`: output file; `report`: folder
     seeds: str = "0"            # comma list: sampling seeds (inference rows) or training seeds
-    seed: int = 0               # set per run from --seeds
-    # ---- pass@k (SPEC: k in {1,4,8,16,32} from 32 samples per test problem) ----
-    passk_samples: int = 32
-    # ---- fail@128 filter (SPEC "Data"): 128 samples, T = 1, 1024 tokens, keep 0-correct, 50/50 ----
-    filter_samples: int = 128
-    split_seed: int = 0
-    # ---- fresh students (SPEC Table 3, student column; "Evaluation protocol") ----
-    mode: str = "mixed"         # "mixed" (HARP, Olympiad) or "curriculum" (MATH)
-    steps: int = 1500           # at most; the early-stopping rule usually ends a run before
+    # ---- pass@k (METHOD.md "Evaluation protocol") ----
+    passk_samples: int = 32     # samples per test problem; k in 1, 4, 8, 16, 32 up to this
+    # ---- fail@128 filter (METHOD.md "Data"): T = 1, student_max_tokens, keep 0-correct, split 50/50 ----
+    filter_samples: int = 128   # samples per problem
+    split_seed: int = 0         # seed of the 50/50 train/test split
+    # ---- fresh students (METHOD.md "Hyperparameters", "Evaluation protocol") ----
+    mode: str = "mixed"         # mixed (HARP, Olympiad) or curriculum (MATH): how synthetic and real combine
+    student_steps: int = 1500   # at most; the early-stopping rule usually ends a run before
     switch_step: int = 64       # curriculum: synthetic only for this many steps, then real only
-    warmup: int = 20            # lr warmup of mixed runs; curriculum runs use 0 (SPEC)
-    lr: float = 1e-5
-    samples: int = 32           # RLOO group size per question
+    student_warmup: int = 20    # lr warmup of mixed runs; curriculum runs use 0
+    student_lr: float = 1e-5    # AdamW, cosine over student_steps
+    student_samples: int = 32   # samples per question (the student's RLOO group)
     big_group: int = 128        # the group of the hard-only-128 row
-    questions: int = 8          # questions per step
-    kl_coef: float = 0.001      # to the model the run started from
-    temperature: float = 1.0
-    max_tokens: int = 1024      # student completions (training, pass@k, filter)
-    teacher_max_tokens: int = 512
+    student_questions: int = 8  # questions per student step
+    kl_coef: float = 0.001      # k3 KL to the model the run started from
+    temperature: float = 1.0    # sampling temperature (training, pass@k, filter)
+    student_max_tokens: int = 1024  # new tokens per student completion (training, pass@k, filter)
+    teacher_max_tokens: int = 512   # new tokens per teacher sample
     teacher_questions: int = 128  # questions sampled from a teacher (and real questions of upper-128)
     eval_every: int = 20        # test pass@k every this many steps
-    ckpt_every: int = 100
+    ckpt_every: int = 100       # checkpoint every this many steps
     fixed_step: int = 0         # > 0: report the test metric at this step instead (OlympiadBench: 50)
-    # ---- early stopping (SPEC "Evaluation protocol") ----
+    # ---- early stopping (METHOD.md "Early stopping") ----
     es_window: int = 25         # centred moving average of the mean training reward
     es_fraction: float = 0.15   # stop at the first step whose slope < this * the max slope
     es_average: int = 200       # report the test metric averaged over the next this many steps
-    # ---- diversity (SPEC: Vendi over 128-question subsets, 100 draws) ----
-    embed: str = "ngram"        # "ngram" (offline, no model) or a HF model path (mean-pooled states)
-    vendi_subset: int = 128
-    vendi_draws: int = 100
+    # ---- diversity (METHOD.md "Diversity") ----
+    embed: str = "ngram"        # ngram (offline, no model) or a HF model path (mean-pooled states)
+    vendi_subset: int = 128     # questions per bootstrap subset
+    vendi_draws: int = 100      # bootstrap subsets
     # ---- systems ----
-    micro_batch_tokens: int = 16384
-    gpu_memory_utilization: float = 0.3
+    micro_batch_tokens: int = 16384  # tokens per forward/backward pass (rows x longest row)
+    gpu_memory_utilization: float = 0.3  # the vLLM engine's share of GPU memory
 
 
-# The built-in world: a tiny model on 2 CPU cores, so short runs, short answers, a big lr (as soar.py's).
-WORLD_DEFAULTS = dict(steps=24, switch_step=6, warmup=2, lr=1e-3, samples=8, big_group=16, questions=4,
-                      max_tokens=48, teacher_max_tokens=48, teacher_questions=32, eval_every=4, ckpt_every=8,
-                      es_window=5, es_average=8, filter_samples=32, vendi_subset=32, vendi_draws=20)
 KS = (1, 4, 8, 16, 32)
-ENGINES = []   # built by setup(); shut down before the process group goes (main)
-# settings that a resumed fresh-student run must share with its checkpoint
-RUN_KEYS = ("mode", "switch_step", "warmup", "lr", "samples", "questions", "kl_coef", "temperature",
-            "max_tokens", "model")
+# settings a resumed fresh-student run may change without invalidating its checkpoint
+MAY_CHANGE = {"runs", "out", "seeds", "ckpt_every", "micro_batch_tokens", "gpu_memory_utilization"}
 
 # The rows of the paper's Tables 4-6, in the paper's order (the report keeps it).
 ROWS = {
     "base": "the base model, inference only",
-    "hard-only": "fresh student, RLOO on the hard train split alone (group --samples)",
+    "hard-only": "fresh student, RLOO on the hard train split alone (group --student_samples)",
     "hard-only-128": "the same, group --big_group (128)",
     "intrinsic-t": "fresh student on 128 questions of the learnability teacher (<intrinsic>/teacher) + hard train",
     "base-t": "fresh student on 128 questions of the base model as teacher + hard train",
@@ -120,16 +109,12 @@ ROWS = {
 
 
 def parse_args(argv=None) -> tuple[str, list[str], Config]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="rows:\n" + "\n".join(f"  {k:14} {v}" for k, v in ROWS.items()))
-    p.add_argument("command", choices=["filter", "row", "train", "sample-teacher", "vendi", "report"])
+    p = rloo.config_parser(Config, world.PRESET, description=__doc__,
+                           epilog="rows:\n" + "\n".join(f"  {k:14} {v}" for k, v in ROWS.items()))
+    p.add_argument("command", choices=list(COMMANDS))
     p.add_argument("args", nargs="*", help="filter: pools; row: methods; sample-teacher: a teacher; vendi: files")
-    for f in dataclasses.fields(Config):
-        p.add_argument(f"--{f.name}", type=f.type, default=None)
     a = vars(p.parse_args(argv))
-    command, args = a.pop("command"), a.pop("args")
-    flags = {k: v for k, v in a.items() if v is not None}
-    cfg = Config(**{**({} if flags.get("model") else WORLD_DEFAULTS), **flags})
+    command, args, cfg = a["command"], a["args"], rloo.config_from(Config, a, world.PRESET)
     if cfg.mode not in ("mixed", "curriculum"):
         p.error(f"--mode must be mixed or curriculum, not {cfg.mode!r}")
     if command == "row" and (not args or set(args) - set(ROWS)):
@@ -143,7 +128,7 @@ def parse_args(argv=None) -> tuple[str, list[str], Config]:
 # pure statistics (tested against brute force / known answers)
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (SPEC): 1 - C(n-c,k)/C(n,k), in the product
+    """Unbiased pass@k from n samples with c correct (METHOD.md "Evaluation protocol"): 1 - C(n-c,k)/C(n,k), in the product
     form 1 - prod_{i=n-c+1}^{n} (1 - k/i), which never forms the huge binomials."""
     if n - c < k:
         return 1.0
@@ -161,7 +146,7 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
 
 
 def early_stop(rewards: list[float], window: int = 25, fraction: float = 0.15) -> int | None:
-    """SPEC's rule: smooth the mean training reward with a centred moving average of `window`
+    """The rule of METHOD.md "Early stopping": smooth the mean training reward with a centred moving average of `window`
     steps, take discrete slopes normalised by the range of the smoothed curve, stop at the first
     step whose slope < fraction * the max slope. "First" counts from the steepest step: a curve
     that starts flat (reward ~0 on hard problems) would otherwise stop at step 0. None while no
@@ -207,10 +192,10 @@ def finished(rewards: list[float], step: int, cfg: Config, offset: int = 0) -> b
     return stop is not None and step >= stop + offset + cfg.es_average
 
 
-def batch_at(step: int, synthetic: list[dict], real: list[dict], cfg: Config) -> tuple[str, list[dict]]:
+def batch_at(step: int, synthetic: list[dict], real: list[dict], cfg: Config, seed: int) -> tuple[str, list[dict]]:
     """The questions of training step `step`, a pure function of (seed, step), so a resumed run
     replays exactly. mixed: one pool (synthetic + real) walked in a fresh shuffle each epoch;
-    curriculum: synthetic for the first switch_step steps, then real (SPEC)."""
+    curriculum: synthetic for the first switch_step steps, then real (METHOD.md "Evaluation protocol")."""
     if cfg.mode == "curriculum" and step < cfg.switch_step:
         source, pool, i = "synthetic", synthetic, step
     elif cfg.mode == "curriculum":
@@ -218,99 +203,21 @@ def batch_at(step: int, synthetic: list[dict], real: list[dict], cfg: Config) ->
     else:
         source, pool, i = "mixed", synthetic + real, step
     batch = []
-    for pos in range(i * cfg.questions, (i + 1) * cfg.questions):
+    for pos in range(i * cfg.student_questions, (i + 1) * cfg.student_questions):
         epoch, j = divmod(pos, len(pool))
         order = list(range(len(pool)))
-        random.Random(f"{cfg.seed}/{source}/{epoch}").shuffle(order)
+        random.Random(f"{seed}/{source}/{epoch}").shuffle(order)
         batch.append(pool[order[j]])
     return source, batch
 
 
 # ---------------------------------------------------------------------------------------------
-# Vendi diversity (SPEC "Evaluation protocol")
+# on the engines (every rank calls these; generation and grading are split over the ranks)
 
-def embed_ngram(texts: list[str], dim: int = 4096, n: int = 3) -> np.ndarray:
-    """Character n-gram counts hashed into `dim` buckets (crc32: stable across runs), L2-normalised.
-    The default because it needs no model and no network and is deterministic: it measures surface
-    diversity, which is what separates the teachers in the paper (Intrinsic-T's collapse onto
-    near-copies). Its numbers are not on the scale of the paper's (whose embedding is unstated); pass
-    --embed <HF model> for a semantic embedding, and compare methods only under one embedding."""
-    X = np.zeros((len(texts), dim))
-    for r, t in enumerate(texts):
-        t = " ".join(t.lower().split())
-        for i in range(max(1, len(t) - n + 1)):
-            X[r, zlib.crc32(t[i:i + n].encode()) % dim] += 1
-    return X / np.maximum(np.linalg.norm(X, axis=1, keepdims=True), 1e-12)
-
-
-@torch.no_grad()
-def embed_hf(texts: list[str], path: str, batch: int = 32) -> np.ndarray:
-    """Mean-pooled last hidden states of a HF model (e.g. the base model, or a sentence encoder)."""
-    from transformers import AutoModel, AutoTokenizer
-    tok, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
-    tok.pad_token = tok.pad_token or tok.eos_token
-    out = []
-    for i in range(0, len(texts), batch):
-        enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, truncation=True, max_length=512)
-        h = model(**enc).last_hidden_state
-        m = enc.attention_mask[..., None].to(h.dtype)
-        out.append(((h * m).sum(1) / m.sum(1)).float().numpy())
-    return np.concatenate(out)
-
-
-def vendi(X: np.ndarray) -> float:
-    """VS = exp(-sum l log l) over the eigenvalues l of K/n, K the cosine kernel of the rows of X.
-    Identical items give 1, mutually orthogonal ones give n."""
-    X = X / np.maximum(np.linalg.norm(X, axis=1, keepdims=True), 1e-12)
-    lam = np.linalg.eigvalsh(X @ X.T / len(X))
-    lam = lam[lam > 1e-12]
-    return float(np.exp(-(lam * np.log(lam)).sum()))
-
-
-def vendi_bootstrap(X: np.ndarray, subset: int = 128, draws: int = 100, seed: int = 0) -> tuple[float, float]:
-    """Mean and std of VS over `draws` random subsets of `subset` questions, drawn without
-    replacement (duplicates would read as lost diversity); a set of <= subset questions is one draw."""
-    if len(X) <= subset:
-        return vendi(X), 0.0
-    rng = np.random.default_rng(seed)
-    return mean_std([vendi(X[rng.choice(len(X), subset, replace=False)]) for _ in range(draws)])
-
-
-def embed(texts: list[str], cfg: Config) -> np.ndarray:
-    return embed_ngram(texts) if cfg.embed == "ngram" else embed_hf(texts, cfg.embed)
-
-
-# ---------------------------------------------------------------------------------------------
-# sampling and grading on the engines (every rank calls these; generation and grading are split
-# over the ranks of `group`, results gathered on all)
-
-def correct_counts(llm, problems: list[dict], *, n: int, max_tokens: int, seed: int, temperature: float = 1.0,
-                   group=None, chunk: int = 0, progress: bool = False) -> list[int]:
-    """How many of n samples (student prompt) are correct (the 120 case) for each problem. Done in
-    chunks of prompts so 5000 x 128 samples never sit in memory at once; request i carries seed + i
-    whatever the chunking (rloo.generate), so results do not depend on it."""
-    grade = soar.grade if dist.is_initialized() else (lambda c, g, _: data.grade(c, g))
-    chunk = chunk or max(1, 8192 // n)
-    counts = []
-    for lo in tqdm(range(0, len(problems), chunk), disable=not progress, desc="sampling", dynamic_ncols=True):
-        part = problems[lo:lo + chunk]
-        outs = rloo.generate(llm, [data.student_prompt(p["question"]) for p in part], n=n, temperature=temperature,
-                             max_tokens=max_tokens, seed=seed + lo, group=group)
-        rewards = grade([s.text for o in outs for s in o], [p["answer"] for p in part for _ in range(n)], group)
-        counts += [sum(r == data.R_CORRECT for r in rewards[i * n:(i + 1) * n]) for i in range(len(part))]
-    return counts
-
-
-def fail_at_k(llm, problems: list[dict], k: int = 128, max_tokens: int = 1024, seed: int = 0, group=None,
-              temperature: float = 1.0) -> list[dict]:
-    """The fail@k filter (SPEC "Data"): the problems with 0 correct out of k samples at T = 1."""
-    counts = correct_counts(llm, problems, n=k, max_tokens=max_tokens, seed=seed, temperature=temperature, group=group)
-    return [p for p, c in zip(problems, counts) if c == 0]
-
-
-def eval_passk(llm, test: list[dict], cfg: Config, key) -> dict:
-    counts = correct_counts(llm, test, n=cfg.passk_samples, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                            seed=soar.seed_of(cfg, "passk", key), group=dist.group.WORLD)
+def eval_passk(llm, test: list[dict], cfg: Config, seed: int, key) -> dict:
+    counts = rloo.correct_counts(llm, test, n=cfg.passk_samples, max_tokens=cfg.student_max_tokens,
+                                 temperature=cfg.temperature, seed=rloo.seed_of(seed, "passk", key),
+                                 group=dist.group.WORLD)
     return {**mean_passk(counts, cfg.passk_samples), "solved": sum(c > 0 for c in counts)}
 
 
@@ -320,99 +227,87 @@ def frozen(path: str, mesh):
     return rloo.load_policy(path, mesh, lr=0.0, warmup_steps=0, total_steps=1, kl_coef=0.0)
 
 
-def sample_teacher(path: str, n: int, cfg: Config, llm, tok, mesh) -> list[dict]:
-    """n questions from a teacher with the teacher prompt and the format filter (soar.py's rejection
-    sampling; SPEC: "same prompt and filter")."""
-    teacher = frozen(path, mesh)
-    scfg = soar.Config(num_datasets=1, dataset_size=n, seed=cfg.seed, temperature=cfg.temperature, teacher_max_tokens=cfg.teacher_max_tokens)
-    kept, sampled = soar.sample_teacher(scfg, teacher, llm, data.teacher_prompt(tok), "eval", dist.group.WORLD)
-    del teacher
+def teacher_questions(path: str, cfg: Config, seed: int, llm, tok, mesh) -> list[dict]:
+    """cfg.teacher_questions questions of the teacher in `path`, with SOAR's teacher prompt and format
+    filter (METHOD.md "Evaluation protocol": same prompt and filter)."""
+    rloo.sync_weights(frozen(path, mesh), llm)
+    kept, _ = rloo.sample_teacher(llm, data.teacher_prompt(tok), need=cfg.teacher_questions,
+                                  max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature, seed=seed,
+                                  key="eval", max_rounds=8, group=dist.group.WORLD)
     return [{"question": q, "answer": a} for _, (q, a) in kept]
 
 
 # ---------------------------------------------------------------------------------------------
 # one run folder
 
-def write_json(path: str, obj) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
-
-
-def inference_run(cfg: Config, method: str, path: str, llm, mesh, test, out: str, rank: int) -> dict:
-    """base / ps rows: pass@k of the model in `path` on the test split, sampling seed cfg.seed."""
+def inference_run(cfg: Config, seed: int, method: str, path: str, llm, mesh, test, out: str) -> dict:
+    """base / ps rows: pass@k of the model in `path` on the test split, sampling seed `seed`."""
     rloo.sync_weights(frozen(path, mesh), llm)
-    res = dict(method=method, test=cfg.test, seed=cfg.seed, model=path,
-               passk={k: v for k, v in eval_passk(llm, test, cfg, "inference").items() if k.startswith("pass@")})
-    if rank == 0:
-        write_json(os.path.join(out, "result.json"), res)
+    res = dict(method=method, test=cfg.test, seed=seed, model=path,
+               passk={k: v for k, v in eval_passk(llm, test, cfg, seed, "inference").items() if k.startswith("pass@")})
+    if dist.get_rank() == 0:
+        data.write_json(os.path.join(out, "result.json"), res)
     return res
 
 
-def train_run(cfg: Config, method: str, synthetic, real, test, llm, mesh, out: str, rank: int,
-              samples: int) -> dict:
-    """A fresh student from the base model, RLOO on synthetic + real (SPEC "Evaluation protocol"),
-    test pass@k every eval_every steps, until the early-stopping rule (or --fixed_step, or --steps)
-    says the row's number is known. Resumable from out/ckpt; writes out/result.json at the end."""
+def train_run(cfg: Config, seed: int, method: str, synthetic, real, test, llm, mesh, out: str) -> dict:
+    """A fresh student from the base model, RLOO on synthetic + real (METHOD.md "Evaluation protocol"),
+    test pass@k every eval_every steps, until the early-stopping rule (or --fixed_step, or
+    --student_steps) says the row's number is known. Resumable from out/ckpt; writes out/result.json."""
     # without a synthetic set (hard-only) there is nothing to put first: mixed, i.e. the hard split alone
-    cfg = dataclasses.replace(cfg, samples=samples, mode=cfg.mode if synthetic else "mixed")
-    warmup = 0 if cfg.mode == "curriculum" else cfg.warmup
+    cfg = dataclasses.replace(cfg, student_samples=cfg.big_group if method == "hard-only-128" else cfg.student_samples,
+                              mode=cfg.mode if synthetic else "mixed")
+    warmup = 0 if cfg.mode == "curriculum" else cfg.student_warmup
     offset = cfg.switch_step if cfg.mode == "curriculum" else 0   # the rule watches the real-only phase
-    settings = {k: getattr(cfg, k) for k in RUN_KEYS}
-    policy = rloo.load_policy(cfg.model, mesh, lr=cfg.lr, warmup_steps=warmup, total_steps=cfg.steps,
+    config, rank = {**dataclasses.asdict(cfg), "seed": seed, "method": method}, dist.get_rank()
+    policy = rloo.load_policy(cfg.model, mesh, lr=cfg.student_lr, warmup_steps=warmup, total_steps=cfg.student_steps,
                               kl_coef=cfg.kl_coef)
     metrics_path, evals_path = os.path.join(out, "metrics.jsonl"), os.path.join(out, "evals.jsonl")
-    start, ckpts = 0, soar.ckpt_dirs(out)
-    if ckpts:
-        with open(os.path.join(ckpts[-1], "state.json")) as f:
-            state = json.load(f)
-        diff = {k: (v, settings[k]) for k, v in state["settings"].items() if settings.get(k) != v}
-        if diff:
-            raise ValueError(f"{ckpts[-1]} was written with other settings (saved, now): {diff}")
-        rloo.load_state(policy, os.path.join(ckpts[-1], "policy"))
-        start = state["step"]
+    ckpt, state = rloo.resume(out, config, MAY_CHANGE)
+    if ckpt:
+        rloo.load_state(policy, os.path.join(ckpt, "policy"))
+    start = state["step"] if ckpt else 0
     if rank == 0:
         os.makedirs(out, exist_ok=True)
-        soar.truncate_jsonl(metrics_path, start)   # rows of steps the checkpoint does not hold
-        soar.truncate_jsonl(evals_path, start)
-        print(f"{method} seed {cfg.seed}: {len(synthetic)} synthetic + {len(real)} real questions, {cfg.mode}, "
-              f"group {samples}; {'resuming at' if start else 'starting at'} step {start} -> {out}", flush=True)
+        data.truncate_jsonl(metrics_path, start)   # rows of steps the checkpoint does not hold
+        data.truncate_jsonl(evals_path, start)
+        print(f"{method} seed {seed}: {len(synthetic)} synthetic + {len(real)} real questions, {cfg.mode}, "
+              f"group {cfg.student_samples}; {'resuming at' if start else 'starting at'} step {start} -> {out}",
+              flush=True)
     dist.barrier()
     rewards = [m["reward"] for m in data.read_jsonl(metrics_path)]
     evals = data.read_jsonl(evals_path)
     step = start
-    with tqdm(total=cfg.steps, initial=start, disable=rank != 0, desc=method, dynamic_ncols=True) as bar:
+    with tqdm(total=cfg.student_steps, initial=start, disable=rank != 0, desc=method, dynamic_ncols=True) as bar:
         while True:
-            if step % cfg.eval_every == 0 or step == cfg.fixed_step or step == cfg.steps:
+            if step % cfg.eval_every == 0 or step == cfg.fixed_step or step == cfg.student_steps:
                 rloo.sync_weights(policy, llm)
-                evals.append({"step": step, **eval_passk(llm, test, cfg, step)})
+                evals.append({"step": step, **eval_passk(llm, test, cfg, seed, step)})
                 if rank == 0:
-                    soar.append_jsonl(evals_path, [evals[-1]])
-            if step >= cfg.steps or finished(rewards, step, cfg, offset):
+                    data.append_jsonl(evals_path, [evals[-1]])
+            if step >= cfg.student_steps or finished(rewards, step, cfg, offset):
                 break
-            source, batch = batch_at(step, synthetic, real, cfg)
+            source, batch = batch_at(step, synthetic, real, cfg, seed)
             t0 = time.perf_counter()
-            stats = soar.student_step(policy, llm, [(q["question"], q["answer"]) for q in batch], samples=samples,
-                                      temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                      seed=soar.seed_of(cfg, "student", step), group=dist.group.WORLD,
-                                      micro_batch_tokens=cfg.micro_batch_tokens)
+            stats = rloo.student_step(policy, llm, [(q["question"], q["answer"]) for q in batch],
+                                      samples=cfg.student_samples, temperature=cfg.temperature,
+                                      max_tokens=cfg.student_max_tokens, seed=rloo.seed_of(seed, "student", step),
+                                      group=dist.group.WORLD, micro_batch_tokens=cfg.micro_batch_tokens)
             rewards.append(stats["reward"])
             if rank == 0:
-                soar.append_jsonl(metrics_path, [{"step": step, "source": source, **stats,
+                data.append_jsonl(metrics_path, [{"step": step, "source": source, **stats,
                                                   "seconds": round(time.perf_counter() - t0, 3)}])
             step += 1
             bar.update(1)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", acc=f"{stats['accuracy']:.3f}")
             if step % cfg.ckpt_every == 0:
-                soar.save_checkpoint(out, step, {"policy": policy}, {"step": step, "settings": settings}, rank)
-    res = dict(method=method, test=cfg.test, seed=cfg.seed, mode=cfg.mode, samples=samples, steps_done=step,
+                rloo.save_checkpoint(out, step, {"policy": policy}, {"step": step, "config": config})
+    res = dict(method=method, test=cfg.test, seed=seed, mode=cfg.mode, samples=cfg.student_samples, steps_done=step,
                n_synthetic=len(synthetic), n_real=len(real), **select(evals, rewards, cfg, offset))
     if rank == 0:
-        write_json(os.path.join(out, "result.json"), res)
+        data.write_json(os.path.join(out, "result.json"), res)
         shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)  # optimizer state: GBs per run at scale
     dist.barrier()
-    del policy
     return res
 
 
@@ -420,127 +315,109 @@ def train_run(cfg: Config, method: str, synthetic, real, test, llm, mesh, out: s
 # commands that need the engines
 
 def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False):
-    """rank, world, mesh (one FSDP mesh over all ranks: the student is sharded over all of them and
-    every rank's engine generates its share), tokenizer and one engine per rank, long enough for
-    the longest question of any set plus a completion, and if `teacher`, for a teacher prompt plus
-    its sample and for such a sample as a question."""
+    """mesh (one FSDP mesh over all ranks: the student is sharded over all of them and every rank's
+    engine generates its share), tokenizer and one engine per rank, long enough for the longest
+    question of any set plus a completion, and if `teacher`, for a teacher prompt plus its sample
+    and for such a sample as a question."""
     from transformers import AutoTokenizer
-    rank, world, device = rloo.init_distributed()
-    mesh = init_device_mesh(device.type, (world,))
+    _, world_size, device = rloo.init_distributed()
+    mesh = init_device_mesh(device.type, (world_size,))
     tok = AutoTokenizer.from_pretrained(cfg.model)
     questions = [q["question"] for qs in question_sets for q in qs]
-    llm = rloo.build_engine(cfg.model, seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            max_model_len=soar.engine_len(tok, questions, cfg.max_tokens,
+    llm = rloo.build_engine(cfg.model, seed=int(cfg.seeds.split(",")[0]),
+                            gpu_memory_utilization=cfg.gpu_memory_utilization,
+                            max_model_len=rloo.engine_len(tok, questions, cfg.student_max_tokens,
                                                           cfg.teacher_max_tokens if teacher else 0))
-    ENGINES.append(llm)
-    return rank, world, mesh, tok, llm
+    return mesh, tok, llm
 
 
-def resolve_world(cfg: Config) -> Config:
-    """Without --model: the built-in world's model and splits (rank 0 builds it, cached)."""
-    if cfg.model:
-        return cfg
-    import world as tiny_world
-    rloo.init_distributed()
-    paths = tiny_world.build_world_all_ranks(small=cfg.world == "small")
-    return dataclasses.replace(cfg, model=paths["model"], hard=cfg.hard or paths["train"],
-                               test=cfg.test or paths["test"])
-
-
-def run_dir(cfg: Config, method: str, seed: int) -> str:
-    return os.path.join(cfg.runs, method, f"seed{seed}")
-
-
-def done(path: str) -> bool:
-    return os.path.exists(os.path.join(path, "result.json"))
+def done(cfg: Config, method: str, seed: int) -> bool:
+    return os.path.exists(os.path.join(cfg.runs, method, f"seed{seed}", "result.json"))
 
 
 def cmd_row(cfg: Config, methods: list[str]) -> None:
     """The rows `methods` x seeds, each into its run folder (a method outside ROWS is the `train`
     command's --name: a fresh student on --synthetic + hard train)."""
     seeds = [int(s) for s in cfg.seeds.split(",")]
-    if all(done(run_dir(cfg, m, s)) for m in methods for s in seeds):   # before any engine is built
+    if all(done(cfg, m, s) for m in methods for s in seeds):   # before any engine is built
         if os.environ.get("RANK", "0") == "0":
             print(f"{cfg.runs}: {', '.join(methods)} x seeds {cfg.seeds}: all finished already; nothing to do")
         return
-    teachers = {"grounded-t": cfg.teacher or os.path.join(cfg.soar, "teacher"), "base-t": cfg.model,
+    teachers = {"grounded-t": cfg.teacher or os.path.join(cfg.soar, "teacher"), "base-t": "",
                 "intrinsic-t": os.path.join(cfg.intrinsic, "teacher") if cfg.intrinsic else "--intrinsic"}
     inputs = {**teachers, "pq": os.path.join(cfg.soar, "metrics.jsonl"), "ps": os.path.join(cfg.soar, "student"),
-              "upper": cfg.extra or "--extra", "upper-128": cfg.extra or "--extra", "base-t": ""}
+              "upper": cfg.extra or "--extra", "upper-128": cfg.extra or "--extra"}
     missing = {m: inputs[m] for m in methods if inputs.get(m) and not os.path.exists(inputs[m])}
     if missing:
         raise SystemExit(f"missing inputs (method: path or flag): {missing}")
-    cfg = resolve_world(cfg)
+    cfg = world.resolve(cfg)
     teachers["base-t"] = cfg.model
-    ckpts = soar.ckpt_dirs(cfg.soar) if set(methods) & {"pq", "ps", "grounded-t"} else []
+    ckpts = rloo.ckpt_dirs(cfg.soar) if set(methods) & {"pq", "ps", "grounded-t"} else []
     if ckpts:   # SOAR's outputs only mean something against the base model SOAR started from
         with open(os.path.join(ckpts[-1], "state.json")) as f:
             soar_model = json.load(f)["config"]["model"]
         if os.path.realpath(soar_model) != os.path.realpath(cfg.model):
             raise SystemExit(f"{cfg.soar} was run from {soar_model}, not from --model {cfg.model}")
-    if not (cfg.hard and cfg.test):
-        raise SystemExit("--hard and --test are required with --model: the fail@128 train and test splits")
-    hard, test = data.load_problems(cfg.hard), data.load_problems(cfg.test)
+    if not (cfg.train and cfg.test):
+        raise SystemExit("--train and --test are required with --model: the fail@128 train and test splits")
+    hard, test = data.load_problems(cfg.train), data.load_problems(cfg.test)
     extra = data.load_problems(cfg.extra) if any(m.startswith("upper") for m in methods) else []
     pq_path = os.path.join(cfg.soar, "pq.jsonl")   # empty until a promotion
     pq = data.load_problems(pq_path) if "pq" in methods and os.path.exists(pq_path) else []
     custom = data.load_problems(cfg.synthetic) if cfg.synthetic else []
-    rank, world, mesh, tok, llm = setup(cfg, [hard, test, extra, pq, custom], teacher=bool(set(methods) & set(teachers)))
+    mesh, tok, llm = setup(cfg, [hard, test, extra, pq, custom], teacher=bool(set(methods) & set(teachers)))
+    say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
     for method in methods:
         for seed in seeds:
-            run, out = dataclasses.replace(cfg, seed=seed), run_dir(cfg, method, seed)
-            if done(out):
-                if rank == 0:
-                    print(f"{out}: finished already")
+            out = os.path.join(cfg.runs, method, f"seed{seed}")
+            if done(cfg, method, seed):
+                say(f"{out}: finished already")
                 continue
             if method == "pq" and not pq:
-                if rank == 0:
-                    print(f"pq: skipped, {cfg.soar} has no promotion questions yet (no promotion)", flush=True)
+                say(f"pq: skipped, {cfg.soar} has no promotion questions yet (no promotion)", flush=True)
                 continue
             if method in ("base", "ps"):
                 path = cfg.model if method == "base" else os.path.join(cfg.soar, "student")
-                res = inference_run(run, method, path, llm, mesh, test, out, rank)
+                res = inference_run(cfg, seed, method, path, llm, mesh, test, out)
             else:
                 if method in teachers:   # questions of a teacher: sampled once per seed, kept in the run folder
                     qpath = os.path.join(out, "questions.jsonl")
                     synthetic = data.read_jsonl(qpath)
                     if not synthetic:
-                        synthetic = sample_teacher(teachers[method], cfg.teacher_questions, run, llm, tok, mesh)
-                        if rank == 0:
+                        synthetic = teacher_questions(teachers[method], cfg, seed, llm, tok, mesh)
+                        if dist.get_rank() == 0:
                             data.write_jsonl(qpath, synthetic)
                 elif method.startswith("upper"):
                     synthetic = extra if method == "upper" else \
                         random.Random(f"{seed}/upper").sample(extra, min(cfg.teacher_questions, len(extra)))
                 else:
                     synthetic = pq if method == "pq" else [] if method in ROWS else custom
-                samples = cfg.big_group if method == "hard-only-128" else cfg.samples
-                res = train_run(run, method, synthetic, hard, test, llm, mesh, out, rank, samples)
-            if rank == 0:
-                print(f"{method} seed {seed}: " + "  ".join(f"{k} {100 * v:.1f}%" for k, v in res["passk"].items()),
-                      flush=True)
+                res = train_run(cfg, seed, method, synthetic, hard, test, llm, mesh, out)
+            say(f"{method} seed {seed}: " + "  ".join(f"{k} {100 * v:.1f}%" for k, v in res["passk"].items()),
+                flush=True)
 
 
 def cmd_sample_teacher(cfg: Config, args: list[str]) -> None:
-    cfg = resolve_world(cfg)
+    cfg = world.resolve(cfg)
     path = args[0] if args else cfg.teacher or os.path.join(cfg.soar, "teacher")
     if not cfg.out:
         raise SystemExit("sample-teacher needs --out FILE")
-    rank, world, mesh, tok, llm = setup(cfg, [], teacher=True)
-    qs = sample_teacher(path, cfg.teacher_questions, cfg, llm, tok, mesh)
-    if rank == 0:
+    mesh, tok, llm = setup(cfg, [], teacher=True)
+    qs = teacher_questions(path, cfg, int(cfg.seeds.split(",")[0]), llm, tok, mesh)
+    if dist.get_rank() == 0:
         data.write_jsonl(cfg.out, qs)
         print(f"wrote {len(qs)} questions of {path} to {cfg.out}")
 
 
 def cmd_filter(cfg: Config, pools: list[str]) -> None:
-    """fail@128 (SPEC "Data"): for each pool, keep the problems the model never solves in
+    """fail@128 (METHOD.md "Data"): for each pool, keep the problems the model never solves in
     filter_samples tries, split them 50/50 (seeded). Writes <out>/<pool>/ counts.jsonl (per problem,
     appended per chunk: a rerun continues), train.jsonl, test.jsonl, filter.json."""
     if not (cfg.model and cfg.out and pools):
         raise SystemExit("filter needs pools (math, harp, olympiad or files), --model and --out")
     problems = {p: data.load_problems(p) for p in pools}
-    rank, world, mesh, tok, llm = setup(cfg, list(problems.values()))
-    n, chunk = cfg.filter_samples, max(1, 8192 // cfg.filter_samples)
+    mesh, tok, llm = setup(cfg, list(problems.values()))
+    n, chunk, rank = cfg.filter_samples, max(1, 8192 // cfg.filter_samples), dist.get_rank()
     for pool, probs in problems.items():
         out = os.path.join(cfg.out, os.path.splitext(os.path.basename(pool))[0])
         counts_path = os.path.join(out, "counts.jsonl")
@@ -549,11 +426,11 @@ def cmd_filter(cfg: Config, pools: list[str]) -> None:
             os.makedirs(out, exist_ok=True)
             print(f"{pool}: {len(probs)} problems, {len(have)} done", flush=True)
         for lo in tqdm(range(len(have), len(probs), chunk), disable=rank != 0, desc=pool, dynamic_ncols=True):
-            part = probs[lo:lo + chunk]
-            counts = correct_counts(llm, part, n=n, max_tokens=cfg.max_tokens, seed=soar.seed_of(cfg, "filter") + lo,
-                                    temperature=cfg.temperature, group=dist.group.WORLD, chunk=chunk)
+            counts = rloo.correct_counts(llm, probs[lo:lo + chunk], n=n, max_tokens=cfg.student_max_tokens,
+                                         seed=rloo.seed_of(int(cfg.seeds.split(",")[0]), "filter") + lo,
+                                         temperature=cfg.temperature, group=dist.group.WORLD)
             if rank == 0:
-                soar.append_jsonl(counts_path, [{"index": lo + i, "correct": c} for i, c in enumerate(counts)])
+                data.append_jsonl(counts_path, [{"index": lo + i, "correct": c} for i, c in enumerate(counts)])
             dist.barrier()
         counts = [r["correct"] for r in data.read_jsonl(counts_path)]
         hard = [p for p, c in zip(probs, counts) if c == 0]
@@ -561,8 +438,9 @@ def cmd_filter(cfg: Config, pools: list[str]) -> None:
         if rank == 0:
             data.write_jsonl(os.path.join(out, "train.jsonl"), train)
             data.write_jsonl(os.path.join(out, "test.jsonl"), test)
-            write_json(os.path.join(out, "filter.json"), dict(pool=pool, model=cfg.model, samples=n, problems=len(probs),
-                                                              kept=len(hard), train=len(train), test=len(test)))
+            data.write_json(os.path.join(out, "filter.json"), dict(pool=pool, model=cfg.model, samples=n,
+                                                                   problems=len(probs), kept=len(hard),
+                                                                   train=len(train), test=len(test)))
             print(f"{pool}: {len(hard)} of {len(probs)} never solved in {n} samples -> {len(train)} train / "
                   f"{len(test)} test in {out}")
 
@@ -570,17 +448,17 @@ def cmd_filter(cfg: Config, pools: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------
 # commands that need no engine
 
-def cmd_vendi(cfg: Config, files: list[str]) -> dict:
-    res = {}
+def vendi_of(questions: list[str], cfg: Config) -> tuple[float, float]:
+    return data.vendi_bootstrap(data.embed(questions, cfg.embed), cfg.vendi_subset, cfg.vendi_draws)
+
+
+def cmd_vendi(cfg: Config, files: list[str]) -> None:
     for f in files:
         qs = [q["question"] for q in data.load_problems(f)]
         if not qs:
             raise ValueError(f"{f} has no questions")
-        m, s = vendi_bootstrap(embed(qs, cfg), cfg.vendi_subset, cfg.vendi_draws)
-        res[f] = dict(vendi=m, std=s, questions=len(qs), embed=cfg.embed)
-        print(f"{f}: Vendi {m:.2f} +- {s:.2f} ({len(qs)} questions, subsets of {min(len(qs), cfg.vendi_subset)}, "
-              f"embedding {cfg.embed})")
-    return res
+        print(f"{f}: Vendi {'{:.2f} +- {:.2f}'.format(*vendi_of(qs, cfg))} ({len(qs)} questions, subsets of "
+              f"{min(len(qs), cfg.vendi_subset)}, embedding {cfg.embed})")
 
 
 def ordered(methods) -> list[str]:
@@ -662,7 +540,7 @@ def plot_soar(metrics: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def cmd_report(cfg: Config) -> str:
+def cmd_report(cfg: Config, args=()) -> str:
     """report.md in --out (default --runs): a table per test split from every result.json under
     --runs, the Vendi score of every question set in sight (SOAR's PQ, the teachers' samples), and
     the plots curves.png (fresh students) and soar.png (SOAR's metrics.jsonl)."""
@@ -686,8 +564,7 @@ def cmd_report(cfg: Config) -> str:
         for m in ordered(sets):
             qs = [q["question"] for p in sets[m] for q in data.read_jsonl(p)]
             if qs:
-                lines.append("| {} | {:.2f} ± {:.2f} | {} |".format(
-                    m, *vendi_bootstrap(embed(qs, cfg), cfg.vendi_subset, cfg.vendi_draws), len(qs)))
+                lines.append("| {} | {:.2f} ± {:.2f} | {} |".format(m, *vendi_of(qs, cfg), len(qs)))
         lines.append("")
     if plot_curves(results, os.path.join(out, "curves.png")):
         lines += ["## Test pass@k over fresh-student training", "", "![curves](curves.png)", ""]
@@ -697,36 +574,19 @@ def cmd_report(cfg: Config) -> str:
         lines += [f"## SOAR ({cfg.soar}): {len(metrics)} outer steps, {metrics[-1]['promotions']} promotions", "",
                   "![soar](soar.png)", ""]
     text = "\n".join(lines)
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(text)
+    data.write_text(os.path.join(out, "report.md"), text)
     print(text)
     return text
 
 
+COMMANDS = {"filter": cmd_filter, "row": cmd_row, "train": lambda cfg, _: cmd_row(cfg, [cfg.name]),
+            "sample-teacher": cmd_sample_teacher, "vendi": cmd_vendi, "report": cmd_report}
+
+
 def main(argv=None):
     command, args, cfg = parse_args(argv)
-    try:
-        if command == "vendi":
-            cmd_vendi(cfg, args)
-        elif command == "report":
-            cmd_report(cfg)
-        elif command == "filter":
-            cmd_filter(cfg, args)
-        elif command == "row":
-            cmd_row(cfg, args)
-        elif command == "train":
-            cmd_row(cfg, [cfg.name])
-        elif command == "sample-teacher":
-            cmd_sample_teacher(cfg, args)
-    except (RuntimeError, ValueError) as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"eval.py: error: {e}", file=sys.stderr)
-        sys.exit(1)
-    finally:
-        for llm in ENGINES:   # before the process group: its shutdown tears down vLLM's groups (the
-            llm.llm_engine.engine_core.shutdown()   # default one too); left to exit, it fails on them
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with rloo.clean_exit("eval.py"):
+        COMMANDS[command](cfg, args)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,28 @@
 """
-RLOO machinery shared by the teacher and the students (SPEC.md): one in-process vLLM engine per
-rank for sampling, an FSDP2-sharded HF model for training, exact weight sync between the two,
-in-memory snapshots for "students restart from theta" and promotion, and checkpoints.
+The RL engine shared by the teacher and the students, and by soar.py and eval.py: one in-process
+vLLM engine per rank for sampling, an FSDP2-sharded HF model for training, exact weight sync
+between the two, the RLOO loss, in-memory snapshots ("students restart from theta", promotion),
+checkpoints, and the run plumbing both scripts share (seeds, timers, flags).
 
-Layout (SPEC "Scale layout"): torchrun, one rank per GPU (or CPU process), TP = 1 engines built
-with distributed_executor_backend="external_launcher" so each engine lives inside its rank's
-process and serves whatever weights are synced into it next (teacher or student).
+Layout (METHOD.md "Scale layout"): torchrun, one rank per GPU (or CPU process), TP = 1 engines
+built with distributed_executor_backend="external_launcher", so each engine lives inside its
+rank's process and serves whatever weights are synced into it next (teacher or student).
 """
+import argparse
+import dataclasses
+import inspect
+import json
 import logging
 import math
 import os
+import random
+import re
 import shutil
 import socket
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -22,11 +33,16 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+import data
+
 # -----------------------------------------------------------------------------
 # engine (vLLM) settings
-CPU_KVCACHE_GIB = "1"       # VLLM_CPU_KVCACHE_SPACE on CPU; the default RAM fraction fails (NOTES)
-CPU_MEM_UTIL = 0.2          # on CPU gpu_memory_utilization is a fraction of RAM (0.2 verified)
-# optimizer settings (SPEC Table 3 gives AdamW + lr + schedule; the rest is ours)
+# On CPU, vLLM reads gpu_memory_utilization as a fraction of RAM and its default (0.92) fails to
+# start; the KV cache size comes from VLLM_CPU_KVCACHE_SPACE (GiB) instead
+CPU_KVCACHE_GIB = "1"
+CPU_MEM_UTIL = 0.2
+ENGINES = []                # this process's engines (build_engine), shut down by clean_exit
+# optimizer settings (METHOD.md "Hyperparameters" gives AdamW, lr and schedule; the rest is ours)
 ADAM_BETAS = (0.9, 0.999)
 WEIGHT_DECAY = 0.0          # unspecified by the paper; no decay, as usual for RL fine-tuning
 ADAM_EPS = 1e-8
@@ -35,7 +51,7 @@ GPU_PARAM_DTYPE = torch.bfloat16   # compute dtype on GPU; master weights + grad
 # -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -48,13 +64,41 @@ def init_distributed() -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
             os.environ.setdefault(k, v)
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         if cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if cuda else "gloo",
                                 device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None)
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), dev
+
+
+def chunk(n: int, rank: int, world: int) -> tuple[int, int]:
+    """contiguous [lo, hi) share of n items for rank (the first n % world ranks get one more)"""
+    q, r = divmod(n, world)
+    lo = rank * q + min(rank, r)
+    return lo, lo + q + (rank < r)
+
+
+def my_share(items: list, group=None) -> list:
+    """this rank's contiguous share of items (chunk) within group"""
+    lo, hi = chunk(len(items), dist.get_rank(group), dist.get_world_size(group))
+    return items[lo:hi]
+
+
+def all_gather(obj, group=None) -> list:
+    """every rank's obj (any picklable object), in rank order, on every rank of group"""
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, obj, group=group)
+    return parts
+
+
+def split_map(fn, items: list, group=None) -> list:
+    """fn over this rank's share of items, results gathered on every rank of group. Used for
+    grading and parsing: one rank decides each item, so ranks never disagree on a timeout."""
+    if not dist.is_initialized():
+        return fn(items)
+    return [x for part in all_gather(fn(my_share(items, group)), group) for x in part]
 
 
 # -----------------------------------------------------------------------------
@@ -85,6 +129,7 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
     # the rotary cos/sin cache is not in HF checkpoints, so every reload warns that it kept the
     # engine's own copy, which is right (set after LLM(): vLLM configures its loggers there)
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    ENGINES.append(llm)
     return llm
 
 
@@ -95,22 +140,15 @@ class Sample:
     prompt_token_ids: list[int]
 
 
-def _chunk(n: int, rank: int, world: int) -> tuple[int, int]:
-    """contiguous [lo, hi) share of n items for rank (the first n % world ranks get one more)"""
-    q, r = divmod(n, world)
-    lo = rank * q + min(rank, r)
-    return lo, lo + q + (rank < r)
-
-
 def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_tokens: int,
              seed: int, group=None) -> list[list[Sample]]:
     """result[i] = the n samples of prompts[i] (a string, or a list of token ids).
     With a group the prompts are split over its ranks and every rank returns the full list.
     Request i carries seed + i (i global), so results do not depend on the split; one seed per
-    request because equal (seed, prompt) pairs give equal completions (NOTES)."""
+    request because requests with equal seed and prompt get equal completions."""
     from vllm import SamplingParams
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    lo, hi = _chunk(len(prompts), rank, world)
+    lo, hi = chunk(len(prompts), rank, world)
     inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts[lo:hi]]
     greedy = temperature == 0   # vLLM refuses n > 1 when greedy: sample once, repeat n times
     params = [SamplingParams(n=1 if greedy else n, temperature=temperature, max_tokens=max_tokens,
@@ -118,11 +156,68 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
     outs = llm.generate(inputs, params, use_tqdm=False) if inputs else []
     mine = [[Sample(c.text, list(c.token_ids), list(o.prompt_token_ids))
              for c in (o.outputs * n if greedy else o.outputs)] for o in outs]
-    if world == 1:
-        return mine
-    parts = [None] * world
-    dist.all_gather_object(parts, mine, group=group)
-    return [s for part in parts for s in part]
+    return mine if world == 1 else [s for part in all_gather(mine, group) for s in part]
+
+
+def engine_len(tok, questions: list[str], student_max_tokens: int, teacher_max_tokens: int = 0) -> int:
+    """The engines' context: the student prompt around the longest question (a teacher sample may
+    be one) plus a completion, or the teacher prompt plus a teacher sample; 16 tokens of slack."""
+    longest = max([len(tok(q).input_ids) for q in questions] + [teacher_max_tokens])
+    student = len(tok(data.student_prompt("")).input_ids) + longest + student_max_tokens
+    teacher = len(tok(data.teacher_prompt(tok)).input_ids) + teacher_max_tokens if teacher_max_tokens else 0
+    return max(student, teacher) + 16
+
+
+# -----------------------------------------------------------------------------
+# sampling + grading: every rank of `group` calls these; generation and grading are split over
+# its ranks and every rank gets all results
+
+def grade(completions: list[str], golds: list[str], group=None) -> list[float]:
+    """data.grade (METHOD.md "Rewards"), split over the ranks of group"""
+    return split_map(lambda pairs: data.grade([c for c, _ in pairs], [g for _, g in pairs]),
+                     list(zip(completions, golds)), group)
+
+
+def correct_counts(llm, problems: list[dict], *, n: int, max_tokens: int, seed: int, temperature: float = 1.0,
+                   group=None, chunk_prompts: int = 0, progress: bool = False) -> list[int]:
+    """How many of n samples (student prompt) are correct (the 120 case) for each problem: greedy
+    accuracy (n = 1, temperature 0), learnability, pass@k and fail@k all count this way. Generated in
+    chunks of prompts so 5000 x 128 samples never sit in memory at once; request i carries seed + i
+    whatever the chunking (generate), so results do not depend on it."""
+    from tqdm import tqdm
+    step = chunk_prompts or max(1, 8192 // n)
+    counts = []
+    for lo in tqdm(range(0, len(problems), step), disable=not progress, desc="sampling", dynamic_ncols=True):
+        part = problems[lo:lo + step]
+        outs = generate(llm, [data.student_prompt(p["question"]) for p in part], n=n, temperature=temperature,
+                        max_tokens=max_tokens, seed=seed + lo, group=group)
+        rewards = grade([s.text for o in outs for s in o], [p["answer"] for p in part for _ in range(n)], group)
+        counts += [sum(r == data.R_CORRECT for r in rewards[i * n:(i + 1) * n]) for i in range(len(part))]
+    return counts
+
+
+def sample_teacher(llm, prompt, *, need: int, max_tokens: int, temperature: float, seed: int, key,
+                   max_rounds: int, group=None) -> tuple[list, int]:
+    """Rejection sampling (METHOD.md "Algorithm 1", step 1) from the weights in the engine: sample,
+    keep what passes the format filter, sample again for the shortfall; exact for RLOO (METHOD.md
+    "Teacher update"). Round i draws seeds from seed_of(seed, key, "teacher", i). Returns the first
+    `need` valid (Sample, (question, answer)) in sampling order and the number of samples drawn."""
+    kept, sampled = [], 0
+    for rnd in range(max_rounds):
+        todo = need - len(kept)
+        # oversample by the valid rate seen so far (at least 1x, at most 8x)
+        k = todo if not kept else min(8 * todo, int(todo * sampled / len(kept) * 1.2) + 1)
+        outs = generate(llm, [prompt] * k, temperature=temperature, max_tokens=max_tokens,
+                        seed=seed_of(seed, key, "teacher", rnd), group=group)
+        samples = [o[0] for o in outs]
+        pairs = split_map(data.parse_teacher_batch, [s.text for s in samples], group)
+        sampled += k
+        kept += [(s, p) for s, p in zip(samples, pairs) if p is not None]
+        if len(kept) >= need:
+            return kept[:need], sampled
+    raise RuntimeError(f"the teacher produced only {len(kept)} valid question-answer pairs in {sampled} samples "
+                       f"({max_rounds} rounds) at step {key}, {need} needed: it no longer follows the format "
+                       "of data.TEACHER_PROMPT (raise --max_rejection_rounds or check the model)")
 
 
 # -----------------------------------------------------------------------------
@@ -135,9 +230,6 @@ class Policy:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     mesh: object                      # 1-D DeviceMesh sharding both models
-    lr: float
-    warmup_steps: int
-    total_steps: int
     kl_coef: float = 0.001
     grad_clip: float = 1.0
     save_dtype: torch.dtype = torch.float32   # dtype of the checkpoint we loaded (for save_hf)
@@ -173,41 +265,38 @@ def _lr_lambda(warmup: int, total: int):
     return f
 
 
-def reset_optimizer(policy: Policy, *, lr=None, warmup_steps=None, total_steps=None) -> None:
+def reset_optimizer(policy: Policy, *, lr: float, warmup_steps: int, total_steps: int) -> None:
     """fresh AdamW state + schedule (every student inner loop starts one)"""
-    policy.lr = policy.lr if lr is None else lr
-    policy.warmup_steps = policy.warmup_steps if warmup_steps is None else warmup_steps
-    policy.total_steps = policy.total_steps if total_steps is None else total_steps
-    policy.optimizer = torch.optim.AdamW(policy.model.parameters(), lr=policy.lr, betas=ADAM_BETAS,
-                                         eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
-    policy.scheduler = torch.optim.lr_scheduler.LambdaLR(
-        policy.optimizer, _lr_lambda(policy.warmup_steps, policy.total_steps))
+    policy.optimizer = torch.optim.AdamW(policy.model.parameters(), lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
+                                         weight_decay=WEIGHT_DECAY)
+    policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, _lr_lambda(warmup_steps, total_steps))
 
 
 def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: int,
-                kl_coef: float = 0.001, ref_path: str | None = None, grad_clip: float = 1.0,
-                activation_checkpointing: bool = False) -> Policy:
+                kl_coef: float = 0.001, grad_clip: float = 1.0, activation_checkpointing: bool = False) -> Policy:
+    """The model in HF folder `path`, sharded over mesh, with AdamW and, if kl_coef > 0, a frozen copy
+    of the same weights as the KL reference (METHOD.md "Hyperparameters": KL to the start model)."""
     from transformers import AutoConfig
     model = _load_sharded(path, mesh, True, activation_checkpointing)
-    ref = _load_sharded(ref_path or path, mesh, False) if kl_coef > 0 else None
+    ref = _load_sharded(path, mesh, False) if kl_coef > 0 else None
     cfg_dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
-    policy = Policy(model, ref, None, None, mesh, lr, warmup_steps, total_steps, kl_coef, grad_clip,
+    policy = Policy(model, ref, None, None, mesh, kl_coef, grad_clip,
                     cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32,
                     torch.device(mesh.device_type, torch.cuda.current_device())
                     if mesh.device_type == "cuda" else torch.device("cpu"))
-    reset_optimizer(policy)
+    reset_optimizer(policy, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps)
     return policy
 
 
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """A_i = r_i - mean_{j != i} r_j over the last dim (SPEC: raw, not normalised).
+    """A_i = r_i - mean_{j != i} r_j over the last dim (METHOD.md "RLOO loss": raw, not normalised).
     Teacher: rewards [g] (one per dataset); student: [questions, samples]."""
     g = rewards.shape[-1]
     assert g > 1, "RLOO needs at least 2 samples per group"
     return rewards - (rewards.sum(-1, keepdim=True) - rewards) / (g - 1)
 
 
-def _token_logprobs(model, ids, attn):
+def token_logprobs(model, ids, attn):
     """log p(ids[:, t+1] | ids[:, :t+1]) for every position, shape [B, L-1], fp32"""
     logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
     return logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - logits.logsumexp(-1)
@@ -228,7 +317,7 @@ def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
 def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                advantages: list[float], *, micro_batch_tokens: int = 16384) -> dict:
     """One on-policy RLOO update over this rank's rows of the batch (every rank of policy.mesh
-    calls it with its own rows). Per completion token t of rollout i (SPEC):
+    calls it with its own rows). Per completion token t of rollout i (METHOD.md "RLOO loss"):
         pg = -A_i * exp(logp - sg(logp))          (value -A_i, gradient -A_i * dlogp)
         kl = exp(ref - logp) - (ref - logp) - 1    (k3 estimator, >= 0)
         loss = sum_{i,t} (pg + kl_coef * kl) / (completion tokens of the GLOBAL batch)
@@ -263,11 +352,11 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
         if dummy:
             attn[0] = 1
         ids, attn, mask, adv = ids.to(dev), attn.to(dev), mask.to(dev), adv.to(dev)
-        logp = _token_logprobs(policy.model, ids, attn)
+        logp = token_logprobs(policy.model, ids, attn)
         pg = -adv * torch.exp(logp - logp.detach())
         if policy.ref is not None:
             with torch.no_grad():
-                ref_logp = _token_logprobs(policy.ref, ids, attn)
+                ref_logp = token_logprobs(policy.ref, ids, attn)
             d = ref_logp - logp
             kl = torch.exp(d) - d - 1
         else:
@@ -289,6 +378,25 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
                 grad_norm=grad_norm.item(), lr=lr, tokens=n_tokens)
 
 
+def student_step(policy: Policy, llm, batch: list[tuple[str, str]], *, samples: int, temperature: float,
+                 max_tokens: int, seed: int, group, micro_batch_tokens: int) -> dict:
+    """One student RLOO step on (question, answer) pairs (METHOD.md "Inner loop"; also eval.py's fresh
+    students): sync, sample `samples` per question on the group's engines, grade (METHOD.md "Rewards"),
+    leave-one-out advantages within each question, one update."""
+    with timed("sync"):
+        sync_weights(policy, llm)
+    outs = generate(llm, [data.student_prompt(q) for q, _ in batch], n=samples, temperature=temperature,
+                    max_tokens=max_tokens, seed=seed, group=group)
+    flat = [(smp, a) for o, (_, a) in zip(outs, batch) for smp in o]
+    rewards = grade([smp.text for smp, _ in flat], [a for _, a in flat], group)
+    adv = rloo_advantages(torch.tensor(rewards).view(len(batch), samples)).flatten().tolist()
+    rows = my_share([(smp, a) for (smp, _), a in zip(flat, adv)], group)
+    stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows], [smp.token_ids for smp, _ in rows],
+                       [a for _, a in rows], micro_batch_tokens=micro_batch_tokens)
+    return {**stats, "reward": sum(rewards) / len(rewards),
+            "accuracy": sum(r == data.R_CORRECT for r in rewards) / len(rewards)}
+
+
 # -----------------------------------------------------------------------------
 # trainer -> engine weight sync, snapshots, checkpoints
 
@@ -296,7 +404,8 @@ def sync_weights(policy: Policy, llm) -> None:
     """Stream the full weights into this rank's engine, one tensor at a time (a generator:
     the engine consumes it while we gather, so no full copy of the model ever exists).
     model.state_dict() has plain HF names in the same order on every rank, and includes
-    lm_head.weight even when tied: leaving it out leaves the engine on stale logits (NOTES).
+    lm_head.weight even when tied: without it vLLM silently keeps stale logits (1.3 nats off in
+    our tests); model.load_weights on the CPU runner fails, reload_weights is the way in.
     Passing a generator works because external_launcher runs the worker in this process."""
     dtype = llm.llm_engine.model_config.dtype
     _reshard(policy.model)
@@ -351,15 +460,18 @@ def broadcast_snapshot(snap: dict[str, torch.Tensor], src: int, group) -> None:
 
 def save_hf(policy: Policy, path: str, tokenizer=None) -> None:
     """gather the full weights on rank 0 and write an HF folder that from_pretrained / vLLM
-    load (safetensors, in the dtype of the checkpoint the policy started from). All ranks call."""
+    load (safetensors, in the dtype of the checkpoint the policy started from), replacing `path`
+    in one rename (data.publish). All ranks call."""
     _reshard(policy.model)
     sd = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True,
                                                                      cpu_offload=True))
     if dist.get_rank() == 0:
         sd = {k: v.to(policy.save_dtype) for k, v in sd.items()}
-        policy.model.save_pretrained(path, state_dict=sd)
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        policy.model.save_pretrained(path + ".tmp", state_dict=sd)
         if tokenizer is not None:
-            tokenizer.save_pretrained(path)
+            tokenizer.save_pretrained(path + ".tmp")
+        data.publish(path + ".tmp", path)
     dist.barrier()
 
 
@@ -367,29 +479,13 @@ def save_state(policy: Policy, path: str) -> None:
     """model + optimizer + scheduler, sharded (torch.distributed.checkpoint; all ranks of the
     job call, the folder must be on a filesystem every rank sees). For a policy on a sub-mesh
     (students) the groups' copies are deduplicated, so they must hold the same weights (theta).
-    Atomic: written to path.tmp, then renamed; a kill at any point leaves either path or
-    path.old intact (load_state takes either)."""
-    tmp, old = path + ".tmp", path + ".old"
-    if dist.get_rank() == 0 and os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    dist.barrier()
+    Not atomic on its own: save_checkpoint writes it inside a folder that appears in one rename."""
     _reshard(policy.model)
     msd, osd = get_state_dict(policy.model, policy.optimizer)
-    dcp.save({"model": msd, "optim": osd, "sched": policy.scheduler.state_dict()}, checkpoint_id=tmp)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        if os.path.exists(path):
-            if os.path.exists(old):
-                shutil.rmtree(old)
-            os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    dcp.save({"model": msd, "optim": osd, "sched": policy.scheduler.state_dict()}, checkpoint_id=path)
 
 
 def load_state(policy: Policy, path: str) -> None:
-    if not os.path.exists(path) and os.path.exists(path + ".old"):
-        path = path + ".old"   # killed between the two renames of save_state
     _reshard(policy.model)
     msd, osd = get_state_dict(policy.model, policy.optimizer)
     state = {"model": msd, "optim": osd, "sched": policy.scheduler.state_dict()}
@@ -397,3 +493,114 @@ def load_state(policy: Policy, path: str) -> None:
     set_state_dict(policy.model, policy.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     policy.scheduler.load_state_dict(state["sched"])
+
+
+# out/ckpt/step-N holds everything a restart needs (each policy's save_state and state.json); it
+# appears in one rename, so a folder under that name is complete
+
+def ckpt_dirs(out: str) -> list[str]:
+    root = os.path.join(out, "ckpt")
+    done = [d for d in os.listdir(root) if d.startswith("step-") and not d.endswith(".tmp")] if os.path.isdir(root) else []
+    return [os.path.join(root, d) for d in sorted(done, key=lambda d: int(d[5:]))]
+
+
+def save_checkpoint(out: str, step: int, policies: dict, state: dict) -> None:
+    """out/ckpt/step-N: save_state of each policy and state.json; older checkpoints go. All ranks call."""
+    final = os.path.join(out, "ckpt", f"step-{step}")
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    for name, policy in policies.items():
+        save_state(policy, os.path.join(tmp, name))
+    if dist.get_rank() == 0:
+        data.write_json(os.path.join(tmp, "state.json"), state)
+        os.rename(tmp, final)
+        for old in ckpt_dirs(out)[:-1]:
+            shutil.rmtree(old)
+    dist.barrier()
+
+
+def resume(out: str, config: dict, may_change: set) -> tuple[str, dict] | tuple[None, None]:
+    """(folder, state without its config) of the newest checkpoint in out, or (None, None). Refuses one whose saved
+    config differs from `config` in a setting outside may_change: continuing it would mix runs."""
+    ckpts = ckpt_dirs(out)
+    if not ckpts:
+        return None, None
+    with open(os.path.join(ckpts[-1], "state.json")) as f:
+        state = json.load(f)
+    diff = {k: (v, config.get(k)) for k, v in state["config"].items() if k not in may_change and config.get(k) != v}
+    if diff:
+        raise ValueError(f"{ckpts[-1]} was written with other settings (saved, now): {diff}; "
+                         f"use another --out or the same settings")
+    return ckpts[-1], {k: v for k, v in state.items() if k != "config"}
+
+
+# -----------------------------------------------------------------------------
+# run plumbing: seeds, timers, flags
+
+def seed_of(seed: int, *keys) -> int:
+    """Every random draw is a function of (seed, step, ...): a resumed run replays exactly."""
+    return random.Random(f"{seed}/" + "/".join(map(str, keys))).randrange(2**31)
+
+
+TIMES = defaultdict(float)   # seconds per key since the caller last cleared it
+_open = []
+
+
+@contextmanager
+def timed(key: str):
+    """Exclusive timers: time spent in a nested timed() block counts only for the inner key."""
+    t0 = time.perf_counter()
+    _open.append(0.0)
+    try:
+        yield
+    finally:
+        dt = time.perf_counter() - t0
+        TIMES[key] += dt - _open.pop()
+        if _open:
+            _open[-1] += dt
+
+
+def config_parser(cls, preset: dict, **kwargs) -> argparse.ArgumentParser:
+    """A parser with a --flag per field of the dataclass `cls`: the field's trailing comment is its
+    help, followed by its default and, where `preset` (the built-in world's settings, used when no
+    --model is given) sets it, the preset's value."""
+    p = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+    helps = dict(re.findall(r"^\s+(\w+): [^=\n]+=[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+    for f in dataclasses.fields(cls):
+        h = f"{helps.get(f.name, '')} (default {f.default!r}"
+        h = (h + (f"; built-in world {preset[f.name]!r})" if f.name in preset else ")")).replace("%", "%%")
+        if f.type is bool:
+            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=None, help=h)
+        else:
+            p.add_argument(f"--{f.name}", type=f.type, default=None, metavar=f.type.__name__.upper(), help=h)
+    return p
+
+
+def config_from(cls, args: dict, preset: dict):
+    """An instance of `cls`: the flags given, else (without --model: the built-in world) the preset,
+    else the field defaults (with --model: the paper's settings)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    flags = {k: v for k, v in args.items() if k in names and v is not None}
+    base = {} if flags.get("model") else {k: v for k, v in preset.items() if k in names}
+    return cls(**{**base, **flags})
+
+
+@contextmanager
+def clean_exit(script: str):
+    """Around a script's main: a RuntimeError or ValueError ends the run with a one-line message on
+    rank 0 and exit code 1. The engines shut down before the process group goes (their shutdown
+    tears down vLLM's groups, the default one too; left to the interpreter's exit, it fails)."""
+    try:
+        yield
+    except (RuntimeError, ValueError) as e:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"{script}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        for llm in ENGINES:
+            llm.llm_engine.engine_core.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -12,7 +12,7 @@ model is trained from synthetic text in SOAR's real formats, on a mix weighted t
 chat template), <question>...</question><answer>\boxed{...}</answer>, and solutions after the
 student prompt that end "The final answer is: \boxed{...}.". It masters 1+1 digits (~90% of
 samples right), is weak at 2+1 (~4%) and barely above guessing at 2+2 (~0.4%). The hard problems
-are those of levels 3-4 it gets 0 of 128 samples right (SPEC.md "Data"), mostly 2+2 sums and 2+1
+are those of levels 3-4 it gets 0 of 128 samples right (METHOD.md "Data"), mostly 2+2 sums and 2+1
 sums with a carry: at the edge of what it can do, so teacher questions around 2+1 and 2+2 digits
 can move a student on them (a default SOAR run sees R > 0 at some steps).
 """
@@ -42,7 +42,7 @@ VOCAB_SIZE = 1024           # an upper bound: the corpus saturates near 600
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
-# model: a tiny Llama. head_dim 64 because vLLM's CPU attention kernels reject 16 (NOTES.md)
+# model: a tiny Llama. head_dim 64 because vLLM's CPU attention kernels reject head_dim 16
 MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
              rope_theta=10000.0, tie_word_embeddings=True)
@@ -74,6 +74,20 @@ SETTINGS = {
     "small": dict(easy=(2,), hard=(3, 4), steps=300, candidates=32, k=32),
 }
 VERSION = 3                 # bump when the recipe changes: it is part of the cache key
+
+# The settings of soar.py and eval.py on this world (used when no --model is given; their --help
+# shows each next to the paper's default): the same algorithm with smaller numbers, for a tiny
+# model on 2 CPU cores. A key means the same thing in both scripts.
+PRESET = dict(
+    # soar.py, the outer loop
+    outer_steps=12, num_datasets=2, dataset_size=8, students=2, qr_size=32, inner_steps=4, inner_step_inc=2,
+    teacher_lr=1e-3, teacher_warmup=2, learnability_samples=8,
+    # both: students and sampling
+    student_questions=4, student_samples=8, student_lr=1e-3, student_max_tokens=MAX_TOKENS,
+    teacher_max_tokens=MAX_TOKENS,
+    # eval.py: fresh students, the fail@k filter, diversity
+    student_steps=24, student_warmup=2, switch_step=6, big_group=16, teacher_questions=32, eval_every=4,
+    ckpt_every=8, es_window=5, es_average=8, filter_samples=32, vendi_subset=32, vendi_draws=20)
 # -----------------------------------------------------------------------------
 
 
@@ -129,7 +143,7 @@ def train_model(model_dir: str, easy: tuple, steps: int, seed: int) -> None:
     process with the whole batch, up to float summation order."""
     import torch.multiprocessing as mp
     import rloo
-    port = rloo._free_port()
+    port = rloo.free_port()
     mp.spawn(_train_rank, args=(TRAIN_PROCS, port, model_dir, easy, steps, seed), nprocs=TRAIN_PROCS)
 
 
@@ -213,8 +227,7 @@ def measure(model_dir: str, s: dict, seed: int, log=print) -> tuple[dict, list[d
     """The world's figures, with rloo's engine and data's parser and grader: valid teacher pairs,
     greedy accuracy on the easy end, sampled accuracy per difficulty, and the fail@k filter.
     Returns (stats, fail@k candidates, their correct counts)."""
-    import rloo
-    from eval import correct_counts  # here, not at the top: see the import of data
+    import rloo  # here, not at the top: see the import of data
     rloo.init_distributed()  # a 1-rank group: build_engine's external_launcher wants one
     llm = rloo.build_engine(model_dir, max_model_len=MAX_MODEL_LEN, seed=seed)
     rng = random.Random(seed + 2)
@@ -225,12 +238,13 @@ def measure(model_dir: str, s: dict, seed: int, log=print) -> tuple[dict, list[d
     valid = sum(p is not None for p in pairs) / len(pairs)
     log(f"teacher: {valid:.0%} valid pairs, e.g. {teacher[0].text!r}")
     easy = [make_problem(rng, d) for d in s["easy"] for _ in range(EASY_EVAL // len(s["easy"]))]
-    counts = correct_counts(llm, easy, n=1, max_tokens=MAX_TOKENS, seed=seed, temperature=0.0)
+    counts = rloo.correct_counts(llm, easy, n=1, max_tokens=MAX_TOKENS, seed=seed, temperature=0.0)
     easy_acc = sum(counts) / len(easy)
     log(f"student: {easy_acc:.0%} greedy accuracy on {len(easy)} easy problems")
     sampled = {}  # where the learning signal lives: accuracy at T = 1 along the difficulty knob
     for d in range(2, max(s["hard"]) + 1):
-        c = correct_counts(llm, [make_problem(rng, d) for _ in range(16)], n=16, max_tokens=MAX_TOKENS, seed=seed + d)
+        c = rloo.correct_counts(llm, [make_problem(rng, d) for _ in range(16)], n=16, max_tokens=MAX_TOKENS,
+                                seed=seed + d)
         sampled[d] = sum(c) / (16 * 16)
     log("student: sampled accuracy (T=1) by level " + ", ".join(f"{d}: {a:.1%}" for d, a in sampled.items()))
     candidates, seen = [], set()
@@ -239,7 +253,7 @@ def measure(model_dir: str, s: dict, seed: int, log=print) -> tuple[dict, list[d
         if p["question"] not in seen:
             seen.add(p["question"])
             candidates.append(p)
-    counts = correct_counts(llm, candidates, n=s["k"], max_tokens=MAX_TOKENS, seed=seed + 100)
+    counts = rloo.correct_counts(llm, candidates, n=s["k"], max_tokens=MAX_TOKENS, seed=seed + 100)
     kept = sum(c == 0 for c in counts)
     log(f"fail@{s['k']}: {kept} of {len(candidates)} candidates (levels {'/'.join(map(str, s['hard']))}) "
         f"have 0 correct; measuring took {time.time() - t0:.0f}s")
@@ -337,6 +351,19 @@ def build_world_all_ranks(small: bool = False) -> dict:
     paths = build_world(small=small) if dist.get_rank() == 0 else None
     dist.barrier()
     return paths or build_world(small=small)
+
+
+def resolve(cfg):
+    """cfg with the built-in world's model and hard splits filled in when it names no --model (rank 0
+    of a torch.distributed job builds the world, cached, while the others wait); else cfg as is."""
+    if cfg.model:
+        return cfg
+    import dataclasses
+    import rloo
+    rloo.init_distributed()
+    paths = build_world_all_ranks(small=cfg.world == "small")
+    return dataclasses.replace(cfg, model=paths["model"], **{k: getattr(cfg, k) or paths[k] for k in ("train", "test")
+                                                             if hasattr(cfg, k)})
 
 
 def main():

@@ -52,7 +52,7 @@ def full_weights(model):
 
 
 def hand_reference(base, ref, prompts, comps, adv, kl_coef, lr, grad_clip):
-    """the SPEC loss written out with plain (unsharded) HF models, one row at a time"""
+    """the loss of METHOD.md "RLOO loss" written out with plain (unsharded) HF models, one row at a time"""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     refm = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)
@@ -72,6 +72,14 @@ def hand_reference(base, ref, prompts, comps, adv, kl_coef, lr, grad_clip):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     opt.step()
     return value, model.state_dict()
+
+
+def with_ref(pol, ref_path, mesh):
+    """the policy with another model as its KL reference, so the KL term is not 0 at the first step"""
+    import rloo
+    pol.ref = rloo.load_policy(ref_path, mesh, lr=0.0, warmup_steps=0, total_steps=1, kl_coef=0.0).model
+    pol.ref.eval().requires_grad_(False)
+    return pol
 
 
 def engine_prompt_logprobs(llm, seqs):
@@ -117,17 +125,17 @@ def main(out, base, ref):
     tick("generate")
     # --- one RLOO step on a fixed batch, KL to a different reference model
     kl_coef, lr = 0.1, 1e-3
-    pol = rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10, kl_coef=kl_coef, ref_path=ref)
+    pol = with_ref(rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10, kl_coef=kl_coef), ref, mesh)
     prompts, comps, rewards = fixed_batch()
     adv = rloo.rloo_advantages(rewards).flatten().tolist()
-    lo, hi = rloo._chunk(len(prompts), rank, world)
+    lo, hi = rloo.chunk(len(prompts), rank, world)
     snap0 = rloo.snapshot(pol)
     # a small token budget forces several micro-batches, unevenly many per rank (dummies)
     res["step"] = rloo.train_step(pol, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
     w1 = full_weights(pol.model)
     # activation checkpointing (the GPU setting for 3B models) must not change the update
-    pol_ac = rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10, kl_coef=kl_coef,
-                              ref_path=ref, activation_checkpointing=True)
+    pol_ac = with_ref(rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10, kl_coef=kl_coef,
+                                       activation_checkpointing=True), ref, mesh)
     res["step_ac"] = rloo.train_step(pol_ac, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
     w_ac = full_weights(pol_ac.model)
     del pol_ac
@@ -143,7 +151,7 @@ def main(out, base, ref):
     ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs])
     attn = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs])
     with torch.no_grad():
-        tr = rloo._token_logprobs(pol.model, ids, attn)
+        tr = rloo.token_logprobs(pol.model, ids, attn)
     eng = engine_prompt_logprobs(llm, seqs)
     res["sync_err"] = max(abs(tr[i, t].item() - e) for i, row in enumerate(eng) for t, e in enumerate(row))
 
@@ -159,11 +167,11 @@ def main(out, base, ref):
     # --- save_state / load_state: resuming reproduces the next step bit for bit
     ckpt = os.path.join(out, "ckpt")
     rloo.save_state(pol, ckpt)
-    rloo.save_state(pol, ckpt)           # second save goes through the rename-over-old path
+    rloo.save_state(pol, ckpt)           # a second save over the first
     m2 = rloo.train_step(pol, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
     w2 = full_weights(pol.model)
     # as after a restart: a freshly loaded policy (empty optimizer state) picks up the checkpoint
-    pol_b = rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10, kl_coef=kl_coef, ref_path=ref)
+    pol_b = with_ref(rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10, kl_coef=kl_coef), ref, mesh)
     rloo.load_state(pol_b, ckpt)
     res["load_ok"] = all(torch.equal(v, w1[k]) for k, v in full_weights(pol_b.model).items())
     m2b = rloo.train_step(pol_b, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
@@ -181,7 +189,7 @@ def main(out, base, ref):
 
     tick("save_hf")
     # --- learning: reward = share of completion tokens with id < TARGET
-    pol.kl_coef = 0.001   # the SPEC value (0.1 above pulls hard toward the unrelated ref model)
+    pol.kl_coef = 0.001   # the paper's value (0.1 above pulls hard toward the unrelated ref model)
     rloo.reset_optimizer(pol, lr=2e-2, warmup_steps=0, total_steps=100)
     snap_l = rloo.snapshot(pol)
     res["rewards"] = []
@@ -194,7 +202,7 @@ def main(out, base, ref):
         a = rloo.rloo_advantages(r).flatten().tolist()
         pr = [s.prompt_token_ids for o in out_k for s in o]
         cp = [s.token_ids for o in out_k for s in o]
-        lo2, hi2 = rloo._chunk(len(cp), rank, world)
+        lo2, hi2 = rloo.chunk(len(cp), rank, world)
         rloo.train_step(pol, pr[lo2:hi2], cp[lo2:hi2], a[lo2:hi2])
     res["unchanged"] = [k for k, v in rloo.snapshot(pol).items() if torch.equal(v, snap_l[k])]
 

@@ -17,7 +17,7 @@ GOOD = "Let me think.\n<question>What is 3 + 4 * 2?</question><answer>\\boxed{11
     ("<question>Q?</question>\n<answer>The answer: \\boxed{7}</answer>", ("Q?", "7")),
 ])
 def test_parse_teacher_accepts(text, expected):
-    assert data.parse_teacher(text) == expected
+    assert data.parse_teacher_batch([text]) == [expected]
 
 
 @pytest.mark.parametrize("text", [
@@ -34,7 +34,7 @@ def test_parse_teacher_accepts(text, expected):
     "<answer>\\boxed{7}</answer><question>What is 3 + 4?</question>",            # answer before question
 ])
 def test_parse_teacher_rejects(text):
-    assert data.parse_teacher(text) is None
+    assert data.parse_teacher_batch([text]) == [None]
 
 
 def test_parse_teacher_batch_keeps_order():
@@ -57,7 +57,6 @@ def test_parse_teacher_batch_keeps_order():
 ])
 def test_student_reward(completion, gold, reward):
     assert data.student_reward(completion, gold) == reward
-    assert data.is_correct(completion, gold) == (reward == R_CORRECT)
     assert data.grade([completion], [gold]) == [reward]
 
 

@@ -11,7 +11,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+import data
 import eval as ev
+import rloo
+import world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,10 +49,9 @@ def test_mean_passk_over_problems():
 
 
 
-def test_correct_counts_and_fail_at_k_on_scripted_samples(monkeypatch):
+def test_correct_counts_on_scripted_samples(monkeypatch):
     """the counting and filtering around the engine, with rloo.generate scripted: per problem, the
     samples are its script's texts in turn (what the chunking and the dedup grading must not change)"""
-    import rloo
     from rloo import Sample
     problems = [{"question": "q0", "answer": "4"}, {"question": "q1", "answer": "1/2"},
                 {"question": "q2", "answer": "7"}, {"question": "q3", "answer": "10"}]
@@ -65,10 +67,9 @@ def test_correct_counts_and_fail_at_k_on_scripted_samples(monkeypatch):
         return [[Sample(script[q][i], [], []) for i in range(n)] for q in qs]
 
     monkeypatch.setattr(rloo, "generate", fake_generate)
-    assert ev.correct_counts(None, problems, n=4, max_tokens=8, seed=100) == [2, 4, 0, 1]
-    assert ev.correct_counts(None, problems, n=4, max_tokens=8, seed=100, chunk=3) == [2, 4, 0, 1]
+    assert rloo.correct_counts(None, problems, n=4, max_tokens=8, seed=100) == [2, 4, 0, 1]
+    assert rloo.correct_counts(None, problems, n=4, max_tokens=8, seed=100, chunk_prompts=3) == [2, 4, 0, 1]
     assert calls[-2:] == [(3, 100), (1, 103)]              # request i keeps seed + i across chunks
-    assert ev.fail_at_k(None, problems, k=4, max_tokens=8) == [problems[2]]
 
 # ---- the early-stopping rule ----
 def test_early_stop_exponential_saturation():
@@ -122,30 +123,30 @@ def test_select_and_finished():
 def test_batches_mixed_and_curriculum():
     syn = [{"question": f"s{i}", "answer": "1"} for i in range(5)]
     real = [{"question": f"r{i}", "answer": "1"} for i in range(7)]
-    cfg = ev.Config(questions=3, seed=4, mode="mixed")
-    epoch = [q["question"] for s in range(4) for q in ev.batch_at(s, syn, real, cfg)[1]]   # 12 = one epoch
+    cfg = ev.Config(student_questions=3, mode="mixed")
+    epoch = [q["question"] for s in range(4) for q in ev.batch_at(s, syn, real, cfg, 4)[1]]   # 12 = one epoch
     assert sorted(epoch) == sorted(q["question"] for q in syn + real)
-    assert ev.batch_at(2, syn, real, cfg) == ev.batch_at(2, syn, real, cfg)            # replayable
-    assert ev.batch_at(2, syn, real, cfg) != ev.batch_at(2, syn, real, ev.Config(questions=3, seed=5))
-    cur = ev.Config(questions=3, mode="curriculum", switch_step=2)
-    assert [ev.batch_at(s, syn, real, cur)[0] for s in range(4)] == ["synthetic", "synthetic", "real", "real"]
-    assert all(q in syn for q in ev.batch_at(1, syn, real, cur)[1])
-    assert all(q in real for q in ev.batch_at(3, syn, real, cur)[1])
+    assert ev.batch_at(2, syn, real, cfg, 4) == ev.batch_at(2, syn, real, cfg, 4)            # replayable
+    assert ev.batch_at(2, syn, real, cfg, 4) != ev.batch_at(2, syn, real, cfg, 5)
+    cur = ev.Config(student_questions=3, mode="curriculum", switch_step=2)
+    assert [ev.batch_at(s, syn, real, cur, 0)[0] for s in range(4)] == ["synthetic", "synthetic", "real", "real"]
+    assert all(q in syn for q in ev.batch_at(1, syn, real, cur, 0)[1])
+    assert all(q in real for q in ev.batch_at(3, syn, real, cur, 0)[1])
 
 
 # ---- Vendi ----
 def test_vendi_known_cases():
-    assert ev.vendi(np.ones((6, 4))) == pytest.approx(1.0)
-    assert ev.vendi(np.eye(7)) == pytest.approx(7.0)
-    assert ev.vendi(np.array([[1, 0], [1, 0], [0, 1], [0, 1]])) == pytest.approx(2.0)   # two clusters
-    X = ev.embed_ngram(["What is 2 + 2?"] * 10)
-    assert ev.vendi(X) == pytest.approx(1.0)
-    varied = ev.embed_ngram([f"Find the {w} of {i} and {i * 7 + 3}." for i, w in
+    assert data.vendi(np.ones((6, 4))) == pytest.approx(1.0)
+    assert data.vendi(np.eye(7)) == pytest.approx(7.0)
+    assert data.vendi(np.array([[1, 0], [1, 0], [0, 1], [0, 1]])) == pytest.approx(2.0)   # two clusters
+    X = data.embed_ngram(["What is 2 + 2?"] * 10)
+    assert data.vendi(X) == pytest.approx(1.0)
+    varied = data.embed_ngram([f"Find the {w} of {i} and {i * 7 + 3}." for i, w in
                              enumerate(["sum", "product", "gcd", "lcm", "difference", "ratio"] * 3)])
-    assert 1.5 < ev.vendi(varied) < 18
-    m, s = ev.vendi_bootstrap(np.eye(200), subset=128, draws=5)
+    assert 1.5 < data.vendi(varied) < 18
+    m, s = data.vendi_bootstrap(np.eye(200), subset=128, draws=5)
     assert m == pytest.approx(128.0) and s == pytest.approx(0.0, abs=1e-9)
-    assert ev.vendi_bootstrap(np.eye(5), subset=128) == (pytest.approx(5.0), 0.0)   # small set: one draw
+    assert data.vendi_bootstrap(np.eye(5), subset=128) == (pytest.approx(5.0), 0.0)   # small set: one draw
 
 
 # ---- the report, on hand-made run folders ----
@@ -186,10 +187,10 @@ def test_report_table_and_plots(tmp_path):
 
 def test_parse_args_world_defaults_and_paper_settings():
     cmd, args, cfg = ev.parse_args(["row", "base", "pq", "--seeds", "0,1"])
-    assert (cmd, args, cfg.model, cfg.steps) == ("row", ["base", "pq"], "", ev.WORLD_DEFAULTS["steps"])
+    assert (cmd, args, cfg.model, cfg.student_steps) == ("row", ["base", "pq"], "", world.PRESET["student_steps"])
     _, _, paper = ev.parse_args(["row", "pq", "--model", "m", "--mode", "curriculum"])
-    assert (paper.steps, paper.lr, paper.samples, paper.questions, paper.warmup, paper.switch_step) == \
-        (1500, 1e-5, 32, 8, 20, 64)
+    assert (paper.student_steps, paper.student_lr, paper.student_samples, paper.student_questions, paper.student_warmup,
+            paper.switch_step) == (1500, 1e-5, 32, 8, 20, 64)
     assert (paper.es_window, paper.es_fraction, paper.es_average, paper.passk_samples) == (25, 0.15, 200, 32)
     cmd, _, cfg = ev.parse_args(["train", "--synthetic", "q.jsonl", "--name", "mine"])
     assert (cmd, cfg.synthetic, cfg.name) == ("train", "q.jsonl", "mine")
@@ -205,13 +206,13 @@ def test_soar_output_of_another_base_model_is_refused(tmp_path):
     write(str(tmp_path / "soar" / "metrics.jsonl"), {"step": 0})
     write(str(tmp_path / "soar" / "ckpt" / "step-1" / "state.json"), {"step": 1, "config": {"model": "/other/model"}})
     with pytest.raises(SystemExit, match="was run from /other/model"):
-        ev.main(["row", "pq", "--model", str(tmp_path / "m"), "--hard", "h", "--test", "t",
+        ev.main(["row", "pq", "--model", str(tmp_path / "m"), "--train", "h", "--test", "t",
                  "--soar", str(tmp_path / "soar"), "--runs", str(tmp_path / "runs")])
 
 
 # ---- end to end: the real engine on the small world, torchrun with 2 ranks ----
-SMALL = ["--world", "small", "--seeds", "0", "--steps", "6", "--eval_every", "2", "--ckpt_every", "2",
-         "--samples", "4", "--questions", "2", "--passk_samples", "8", "--teacher_questions", "8",
+SMALL = ["--world", "small", "--seeds", "0", "--student_steps", "6", "--eval_every", "2", "--ckpt_every", "2",
+         "--student_samples", "4", "--student_questions", "2", "--passk_samples", "8", "--teacher_questions", "8",
          "--mode", "curriculum", "--switch_step", "2", "--es_window", "3", "--es_average", "2"]
 
 

@@ -63,8 +63,8 @@ def test_rloo_advantages_by_hand():
 def test_micro_batches_and_chunks():
     assert rloo._micro_batches([5, 9, 2, 9], 20) == [[1, 3], [0, 2]]
     assert rloo._micro_batches([30], 8) == [[0]]            # an over-long row still runs alone
-    assert [rloo._chunk(7, r, 2) for r in range(2)] == [(0, 4), (4, 7)]
-    assert [rloo._chunk(1, r, 3) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
+    assert [rloo.chunk(7, r, 2) for r in range(2)] == [(0, 4), (4, 7)]
+    assert [rloo.chunk(1, r, 3) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
 
 
 def test_loss_and_update_match_hand_computation(runs):

@@ -3,7 +3,10 @@ import json
 
 import pytest
 
+import data
+import rloo
 import soar
+import world
 from soar import Config, decide, inner_steps, learnability, moving_average, promotion, teacher_advantages
 
 
@@ -62,28 +65,47 @@ def test_learnability_reward():
 
 
 def test_seeds_are_stable_and_distinct():
-    cfg = Config(seed=3)
-    assert soar.seed_of(cfg, 5, "teacher", 0) == soar.seed_of(Config(seed=3), 5, "teacher", 0)
-    assert len({soar.seed_of(cfg, s, "student", k) for s in range(20) for k in range(4)}) == 80
+    assert rloo.seed_of(3, 5, "teacher", 0) == rloo.seed_of(3, 5, "teacher", 0) != rloo.seed_of(4, 5, "teacher", 0)
+    assert len({rloo.seed_of(3, s, "student", k) for s in range(20) for k in range(4)}) == 80
 
 
 def test_truncate_jsonl_drops_uncommitted_steps_and_creates_missing(tmp_path):
     path = str(tmp_path / "pq.jsonl")
-    soar.truncate_jsonl(path, 0)   # a fresh run: an empty pq.jsonl exists before any promotion
+    data.truncate_jsonl(path, 0)   # a fresh run: an empty pq.jsonl exists before any promotion
     assert open(path).read() == ""
-    soar.append_jsonl(path, [{"step": s, "question": f"q{s}"} for s in range(4)])
-    soar.truncate_jsonl(path, 2)   # resuming at step 2: rows of steps 2 and 3 were never committed
+    data.append_jsonl(path, [{"step": s, "question": f"q{s}"} for s in range(4)])
+    data.truncate_jsonl(path, 2)   # resuming at step 2: rows of steps 2 and 3 were never committed
     assert [json.loads(x)["step"] for x in open(path)] == [0, 1]
 
 
-def test_parse_args_world_defaults_and_overrides():
-    cfg = soar.parse_args(["--steps", "3", "--activation_checkpointing"])
-    assert cfg.model == "" and cfg.steps == 3 and cfg.num_datasets == soar.WORLD_DEFAULTS["num_datasets"] and cfg.activation_checkpointing
+def test_parse_args_world_preset_and_overrides():
+    cfg = soar.parse_args(["--outer_steps", "3", "--activation_checkpointing"])
+    assert cfg.model == "" and cfg.outer_steps == 3 and cfg.activation_checkpointing
+    assert cfg.num_datasets == world.PRESET["num_datasets"] and cfg.student_max_tokens == world.MAX_TOKENS
     paper = soar.parse_args(["--model", "m", "--train", "t.jsonl"])
-    assert (paper.num_datasets, paper.dataset_size, paper.students, paper.qr_size, paper.steps, paper.tau) == \
+    assert (paper.num_datasets, paper.dataset_size, paper.students, paper.qr_size, paper.outer_steps, paper.tau) == \
         (4, 64, 4, 64, 200, 0.01)
     with pytest.raises(SystemExit):
         soar.parse_args(["--reward", "vibes"])
+
+
+def test_one_vocabulary_and_help(capsys, monkeypatch):
+    """a setting both scripts have keeps its name, type and default in both, and every flag's help
+    shows its meaning, its default and the built-in world's value"""
+    import dataclasses
+    import eval as ev
+    s, e = ({f.name: f for f in dataclasses.fields(c)} for c in (Config, ev.Config))
+    shared = s.keys() & e.keys()
+    assert {"student_lr", "student_max_tokens", "student_samples", "student_questions", "train"} <= shared
+    assert all((s[k].type, s[k].default) == (e[k].type, e[k].default) for k in shared - {"out"})
+    assert not {"steps", "lr", "hard", "max_tokens", "samples", "questions"} & (s.keys() | e.keys())
+    assert set(world.PRESET) <= s.keys() | e.keys()   # every preset key is a flag of one of them
+    monkeypatch.setenv("COLUMNS", "400")   # no wrapping inside a help text
+    with pytest.raises(SystemExit):
+        soar.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--student_lr FLOAT AdamW, cosine over S, no warmup (default 1e-05; built-in world 0.001)" in text
+    assert "--tau FLOAT promotion threshold on the moving average (default 0.01)" in text
 
 
 def test_flags_survive_torchrun():
@@ -93,7 +115,8 @@ def test_flags_survive_torchrun():
     import sys
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--help"], capture_output=True, text=True).stdout
     theirs = {w.split("=")[0] for w in out.replace(",", " ").split() if w.startswith("--")}
+    import dataclasses
     import eval as ev
-    ours = {"--" + f.name for c in (Config, ev.Config) for f in soar.dataclasses.fields(c)}
+    ours = {"--" + f.name for c in (Config, ev.Config) for f in dataclasses.fields(c)}
     assert len(theirs) > 20
     assert not {(a, b) for a in ours for b in theirs if b.startswith(a) or b.replace("-", "_").startswith(a)}

@@ -21,9 +21,9 @@ def test_generator_answers_verify():
             assert f"{a}" in p["question"] and f"{b}" in p["question"]
             assert p["answer"] == str(a + b)
             # the formats the model is trained on grade and parse as intended
-            assert data.is_correct(world.student_solution(p), p["answer"])
-            assert not data.is_correct(world.student_solution(p), str(a + b + 1))
-            assert data.parse_teacher(world.teacher_reply(p)) == (p["question"], p["answer"])
+            assert data.grade([world.student_solution(p)] * 2, [p["answer"], str(a + b + 1)]) == \
+                [data.R_CORRECT, data.R_BOXED]
+            assert data.parse_teacher_batch([world.teacher_reply(p)]) == [(p["question"], p["answer"])]
 
 
 def test_unfinished_folder_is_not_a_world(tmp_path):
@@ -63,9 +63,9 @@ def test_small_world_model_folder(small_world):
     # same ids with or without special tokens: nothing is added behind the caller's back
     assert tok(prompt)["input_ids"] == tok(prompt, add_special_tokens=False)["input_ids"]
     # the engines' context holds a teacher prompt + reply and a student prompt + completion
-    import soar
+    import rloo
     q = "What is 12 + 345?"
-    n = soar.engine_len(tok, [q], student_max_tokens=48, teacher_max_tokens=48)
+    n = rloo.engine_len(tok, [q], student_max_tokens=48, teacher_max_tokens=48)
     assert n >= len(tok(prompt)["input_ids"]) + 48 and n >= len(tok(data.student_prompt(q))["input_ids"]) + 48
 
 

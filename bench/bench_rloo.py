@@ -3,8 +3,8 @@ Benchmark of the rloo.py hot paths on whatever hardware is here: generation toke
 trainer tokens/s (one RLOO train_step), weight-sync time vs a train step, peak memory, and
 model-FLOP utilisation. A random model of the chosen shape is written first (no download).
 
-    python bench_rloo.py                                  # tiny Llama, CPU-sized batch
-    torchrun --nproc_per_node 8 bench_rloo.py --shape llama3b
+    python bench/bench_rloo.py                            # tiny Llama, CPU-sized batch
+    torchrun --nproc_per_node 8 bench/bench_rloo.py --shape llama3b
         # Llama-3.2-3B shape, one student inner step: 256 rollouts x 1024 tokens
 
 MFU counts 6*N*tokens for the policy forward+backward and 2*N*tokens for the reference
@@ -14,13 +14,15 @@ recomputation not counted), over --peak-tflops per rank (790 = bf16 dense measur
 import argparse
 import os
 import resource
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import rloo
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the project's modules
+import rloo  # noqa: E402
 
 SHAPES = {  # LlamaConfig fields; head_dim 64 everywhere (the CPU attention kernels want >= 32)
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
@@ -110,7 +112,7 @@ def main():
     comps = [torch.randint(2, vocab, (glen,), generator=g).tolist() for _ in range(rollouts)]
     prm = [prompts[i % n_prompts] for i in range(rollouts)]
     adv = torch.randn(rollouts, generator=g).tolist()
-    lo, hi = rloo._chunk(rollouts, rank, world)
+    lo, hi = rloo.chunk(rollouts, rank, world)
     step = lambda: rloo.train_step(pol, prm[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=mbt)
     timed(step, dev)   # warm-up (allocator, optimizer state)
     if dev.type == "cuda":
