@@ -8,6 +8,7 @@ hang a step for minutes (math-verify 0.9's own timeouts are SIGALRM-based and in
 
     python data.py math /tmp/math.jsonl     # fetch a hub pool into a local jsonl (connected machine)
 """
+import io
 import json
 import multiprocessing as mp
 import os
@@ -17,6 +18,7 @@ import shutil
 import statistics
 import sys
 import time
+import zipfile
 import zlib
 from collections import deque
 from multiprocessing.connection import wait
@@ -41,6 +43,11 @@ STUDENT_PROMPT = """A conversation between User and Assistant. The user asks a q
 
 User: {question} Assistant:"""
 
+# Chat templates that print today's date (Llama 3.x: "Today Date: ...") get this one instead, so the
+# teacher prompt is the same bytes on every day, in every resume, in eval.py and in the teacher's
+# training (Llama 3's own fallback date)
+TEMPLATE_DATE = "26 Jul 2024"
+
 # ---- rewards (METHOD.md "Rewards") ----
 R_CORRECT = 120.0   # boxed answer verifies against the gold answer
 R_CONTAINS = 20.0   # boxed, not verified, but the gold string occurs inside the boxed answer
@@ -60,15 +67,18 @@ HUB = {
     "math": ("EleutherAI/hendrycks_math", "*/test-*.parquet"),
     "olympiad": ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP/*.parquet"),
 }
-HARP_URL = "https://raw.githubusercontent.com/aadityasingh/HARP/main/HARP.jsonl"
+HARP_URL = "https://raw.githubusercontent.com/aadityasingh/HARP/main/HARP.jsonl.zip"   # the release is zipped
 
 
-def teacher_prompt(tokenizer) -> str:
-    """The one fixed teacher prompt, as a user message through the model's chat template."""
+def teacher_prompt(tokenizer) -> list[int]:
+    """The one fixed teacher prompt: a user message through the model's chat template, as token ids
+    (METHOD.md "Prompts"). Ids, not text: a template that starts with its BOS rendered to text gets
+    a second BOS when the engine tokenizes it; the engine and the trainer both take these ids."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no chat_template; the teacher prompt needs one")
-    return tokenizer.apply_chat_template([{"role": "user", "content": TEACHER_PROMPT}], tokenize=False,
-                                         add_generation_prompt=True)
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": TEACHER_PROMPT}], tokenize=True,
+                                              return_dict=False, add_generation_prompt=True,
+                                              date_string=TEMPLATE_DATE))
 
 
 def student_prompt(question: str) -> str:
@@ -89,23 +99,18 @@ def last_boxed(text: str) -> str | None:
     return None  # unclosed: truncated output
 
 
-_Q = re.compile(r"<question>(.*?)(?:</question>|<question>)(.*?)<answer>(.*?)</answer>", re.S)
+# the first question, closed by </question> or (as the paper prints it) by <question>, then the
+# first answer after it; text around and between the two is free (explanations, METHOD.md "Format filter")
+_Q = re.compile(r"<question>(.*?)(?:</question>|<question>).*?<answer>(.*?)</answer>", re.S)
 
 
 def _parse_teacher_text(text: str) -> tuple[str, str] | None:
-    """The string half of the format filter: tags, exactly one problem, a boxed answer."""
-    # exactly one problem: one answer block, and one question opener (two when the paper's
-    # `<question>` closer is used, METHOD.md "Format filter")
-    if text.count("<answer>") != 1 or text.count("</answer>") != 1:
-        return None
-    n_open, n_close = text.count("<question>"), text.count("</question>")
-    if not ((n_open, n_close) == (1, 1) or (n_open, n_close) == (2, 0)):
-        return None
+    """The string half of the format filter: both tags opened and closed, a non-empty boxed answer."""
     m = _Q.search(text)
-    if m is None or m.group(2).strip():  # nothing but whitespace between question and answer
+    if m is None:
         return None
-    question, answer = m.group(1).strip(), last_boxed(m.group(3))
-    if not question or answer is None or not answer.strip() or "<" in question:
+    question, answer = m.group(1).strip(), last_boxed(m.group(2))
+    if not question or answer is None or not answer.strip():
         return None
     return question, answer.strip()
 
@@ -260,9 +265,7 @@ def _from_hub(name: str) -> list[dict]:
     if name == "harp":
         import urllib.request
         with urllib.request.urlopen(HARP_URL) as r:
-            lines = r.read().decode().splitlines()
-        rows = [json.loads(x) for x in lines if x.strip()]
-        return [{"question": r["problem"], "answer": str(r["answer"])} for r in rows]
+            return read_harp_zip(io.BytesIO(r.read()))
     from huggingface_hub import snapshot_download
     repo, pattern = HUB[name]
     folder = snapshot_download(repo, repo_type="dataset", allow_patterns=[pattern])
@@ -274,21 +277,36 @@ def _from_hub(name: str) -> list[dict]:
             for r in rows]  # olympiad: final_answer is a list of LaTeX strings
 
 
+def read_harp_zip(file) -> list[dict]:
+    """The HARP release: a zip (path or file object) holding HARP.jsonl with problem/answer fields."""
+    with zipfile.ZipFile(file) as z:
+        name = next(n for n in z.namelist() if n.endswith(".jsonl"))
+        rows = [json.loads(x) for x in z.read(name).decode().splitlines() if x.strip()]
+    return [{"question": r["problem"], "answer": str(r["answer"])} for r in rows]
+
+
 def load_problems(source: str) -> list[dict]:
     """A problem pool as [{"question", "answer"}]: 'math' | 'harp' | 'olympiad' from the hub, or a local
-    .jsonl / .parquet file with question/answer fields. Bad rows raise, naming file and line."""
+    .jsonl / .parquet file with question/answer fields. Bad rows raise, naming file and line. Problems
+    without a gold answer, or whose gold answer math-verify cannot parse, are dropped with a note
+    (they could never be solved, so they would pass any fail@k filter: METHOD.md "Data")."""
     if source in ("math", "harp", "olympiad"):
         rows = _from_hub(source)
         kept = [r for r in rows if r["question"].strip() and r["answer"].strip()]
         if len(kept) < len(rows):
             print(f"load_problems({source}): dropped {len(rows) - len(kept)} of {len(rows)} rows without an answer",
                   file=sys.stderr)
-        return _check_rows(list(enumerate(kept, 1)), source)
-    if not os.path.exists(source):
+        rows = _check_rows(list(enumerate(kept, 1)), source)
+    elif not os.path.exists(source):
         raise FileNotFoundError(f"problem file {source!r} does not exist (or name a hub pool: math, harp, olympiad)")
-    if source.endswith(".parquet"):
-        return _check_rows(_read_parquet(source), source)
-    return _check_rows(_read_jsonl(source), source)
+    else:
+        rows = _check_rows(_read_parquet(source) if source.endswith(".parquet") else _read_jsonl(source), source)
+    ok = _pool_map("parses", [(r["answer"],) for r in rows], False)
+    bad = [r["answer"] for r, good in zip(rows, ok) if not good]
+    if bad:
+        print(f"load_problems({source}): dropped {len(bad)} of {len(rows)} problems whose gold answer math-verify "
+              f"cannot parse (e.g. {bad[0]!r})", file=sys.stderr)
+    return [r for r, good in zip(rows, ok) if good]
 
 
 def read_jsonl(path: str) -> list[dict]:

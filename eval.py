@@ -86,12 +86,14 @@ class Config:
     vendi_draws: int = 100      # bootstrap subsets
     # ---- systems ----
     micro_batch_tokens: int = 16384  # tokens per forward/backward pass (rows x longest row)
-    gpu_memory_utilization: float = 0.3  # the vLLM engine's share of GPU memory
+    activation_checkpointing: bool = True   # recompute activations in backward: a 3B student fits beside the engine
+    gpu_memory_utilization: float = 0.3     # the vLLM engine's share of GPU memory
 
 
 KS = (1, 4, 8, 16, 32)
 # settings a resumed fresh-student run may change without invalidating its checkpoint
-MAY_CHANGE = {"runs", "out", "seeds", "ckpt_every", "micro_batch_tokens", "gpu_memory_utilization"}
+MAY_CHANGE = {"runs", "out", "seeds", "ckpt_every", "micro_batch_tokens", "activation_checkpointing",
+              "gpu_memory_utilization"}
 
 # The rows of the paper's Tables 4-6, in the paper's order (the report keeps it).
 ROWS = {
@@ -261,7 +263,7 @@ def train_run(cfg: Config, seed: int, method: str, synthetic, real, test, llm, m
     offset = cfg.switch_step if cfg.mode == "curriculum" else 0   # the rule watches the real-only phase
     config, rank = {**dataclasses.asdict(cfg), "seed": seed, "method": method}, dist.get_rank()
     policy = rloo.load_policy(cfg.model, mesh, lr=cfg.student_lr, warmup_steps=warmup, total_steps=cfg.student_steps,
-                              kl_coef=cfg.kl_coef)
+                              kl_coef=cfg.kl_coef, activation_checkpointing=cfg.activation_checkpointing)
     metrics_path, evals_path = os.path.join(out, "metrics.jsonl"), os.path.join(out, "evals.jsonl")
     ckpt, state = rloo.resume(out, config, MAY_CHANGE)
     if ckpt:
@@ -301,7 +303,7 @@ def train_run(cfg: Config, seed: int, method: str, synthetic, real, test, llm, m
             bar.update(1)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", acc=f"{stats['accuracy']:.3f}")
             if step % cfg.ckpt_every == 0:
-                rloo.save_checkpoint(out, step, {"policy": policy}, {"step": step, "config": config})
+                rloo.save_checkpoint(out, step, {"policy": (policy, True)}, {"step": step, "config": config})
     res = dict(method=method, test=cfg.test, seed=seed, mode=cfg.mode, samples=cfg.student_samples, steps_done=step,
                n_synthetic=len(synthetic), n_real=len(real), **select(evals, rewards, cfg, offset))
     if rank == 0:

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 import data
 
@@ -48,6 +49,9 @@ WEIGHT_DECAY = 0.0          # unspecified by the paper; no decay, as usual for R
 ADAM_EPS = 1e-8
 # training numerics
 GPU_PARAM_DTYPE = torch.bfloat16   # compute dtype on GPU; master weights + grads reduce stay fp32
+LOGIT_CHUNK_TOKENS = 2048   # token_logprobs applies the vocabulary head to this many tokens at a time
+# dense bf16 peak of one GPU, for the MFU estimate in metrics.jsonl (spec sheets, SXM parts)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
 # -----------------------------------------------------------------------------
 
 
@@ -156,6 +160,7 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
     outs = llm.generate(inputs, params, use_tqdm=False) if inputs else []
     mine = [[Sample(c.text, list(c.token_ids), list(o.prompt_token_ids))
              for c in (o.outputs * n if greedy else o.outputs)] for o in outs]
+    count_tokens("generated", sum(len(c.token_ids) for o in outs for c in o.outputs))
     return mine if world == 1 else [s for part in all_gather(mine, group) for s in part]
 
 
@@ -164,7 +169,7 @@ def engine_len(tok, questions: list[str], student_max_tokens: int, teacher_max_t
     be one) plus a completion, or the teacher prompt plus a teacher sample; 16 tokens of slack."""
     longest = max([len(tok(q).input_ids) for q in questions] + [teacher_max_tokens])
     student = len(tok(data.student_prompt("")).input_ids) + longest + student_max_tokens
-    teacher = len(tok(data.teacher_prompt(tok)).input_ids) + teacher_max_tokens if teacher_max_tokens else 0
+    teacher = len(data.teacher_prompt(tok)) + teacher_max_tokens if teacher_max_tokens else 0
     return max(student, teacher) + 16
 
 
@@ -238,12 +243,19 @@ class Policy:
 
 def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()   # else a bar per load and per save_hf, in every log
     # every rank reads the (mmapped) safetensors, then fully_shard keeps only its shard on the
     # mesh device. Trained weights stay fp32 (AdamW updates at lr 1e-5 vanish in bf16 rounding);
     # the frozen reference can be stored in the compute dtype.
     gpu = mesh.device_type == "cuda"
     dtype = torch.float32 if trainable or not gpu else GPU_PARAM_DTYPE
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # token_logprobs applies the vocabulary head itself, in chunks: the model's head returns (a copy of)
+    # its input. A copy, not the input: FSDP2 warns about a view as a module's output
+    if not isinstance(model.lm_head, torch.nn.Linear) or getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError(f"{path}: token_logprobs needs a plain linear vocabulary head (Llama, Qwen, Mistral, ...)")
+    model.lm_head.forward = lambda hidden: hidden.clone()
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=GPU_PARAM_DTYPE if gpu else torch.float32,
@@ -296,10 +308,20 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - (rewards.sum(-1, keepdim=True) - rewards) / (g - 1)
 
 
+def _head_logprobs(hidden, weight, targets):
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)
+
+
 def token_logprobs(model, ids, attn):
-    """log p(ids[:, t+1] | ids[:, :t+1]) for every position, shape [B, L-1], fp32"""
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
-    return logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - logits.logsumexp(-1)
+    """log p(ids[:, t+1] | ids[:, :t+1]) for every position, shape [B, L-1], fp32. The [tokens, vocab]
+    logits never exist whole (at 3B, 16k tokens x 128k vocab in fp32 is 8 GB, and autograd would keep
+    it): the head runs over chunks of positions, each recomputed in backward (checkpoint). The head's
+    weight is used after the model's forward: FSDP2 keeps the root's parameters gathered until backward."""
+    hidden = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]   # the head returns its input
+    step, weight = max(1, LOGIT_CHUNK_TOKENS // ids.shape[0]), model.lm_head.weight
+    return torch.cat([checkpoint(_head_logprobs, hidden[:, i:i + step], weight, ids[:, i + 1:i + 1 + step],
+                                 use_reentrant=False) for i in range(0, hidden.shape[1], step)], 1)
 
 
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -366,6 +388,7 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
         stats[1] += (pg.detach() * mask).sum()
         stats[2] += (kl.detach() * mask).sum()
     dist.all_reduce(stats[1:], group=group)
+    count_tokens("trained", sum(map(len, seqs)))
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), policy.grad_clip)
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
@@ -385,10 +408,11 @@ def student_step(policy: Policy, llm, batch: list[tuple[str, str]], *, samples: 
     leave-one-out advantages within each question, one update."""
     with timed("sync"):
         sync_weights(policy, llm)
-    outs = generate(llm, [data.student_prompt(q) for q, _ in batch], n=samples, temperature=temperature,
-                    max_tokens=max_tokens, seed=seed, group=group)
-    flat = [(smp, a) for o, (_, a) in zip(outs, batch) for smp in o]
-    rewards = grade([smp.text for smp, _ in flat], [a for _, a in flat], group)
+    with timed("student_rollouts"):
+        outs = generate(llm, [data.student_prompt(q) for q, _ in batch], n=samples, temperature=temperature,
+                        max_tokens=max_tokens, seed=seed, group=group)
+        flat = [(smp, a) for o, (_, a) in zip(outs, batch) for smp in o]
+        rewards = grade([smp.text for smp, _ in flat], [a for _, a in flat], group)
     adv = rloo_advantages(torch.tensor(rewards).view(len(batch), samples)).flatten().tolist()
     rows = my_share([(smp, a) for (smp, _), a in zip(flat, adv)], group)
     stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows], [smp.token_ids for smp, _ in rows],
@@ -475,24 +499,32 @@ def save_hf(policy: Policy, path: str, tokenizer=None) -> None:
     dist.barrier()
 
 
-def save_state(policy: Policy, path: str) -> None:
-    """model + optimizer + scheduler, sharded (torch.distributed.checkpoint; all ranks of the
-    job call, the folder must be on a filesystem every rank sees). For a policy on a sub-mesh
-    (students) the groups' copies are deduplicated, so they must hold the same weights (theta).
-    Not atomic on its own: save_checkpoint writes it inside a folder that appears in one rename."""
+def _state(policy: Policy, optimizer: bool) -> dict:
     _reshard(policy.model)
+    if not optimizer:
+        return {"model": get_model_state_dict(policy.model)}
     msd, osd = get_state_dict(policy.model, policy.optimizer)
-    dcp.save({"model": msd, "optim": osd, "sched": policy.scheduler.state_dict()}, checkpoint_id=path)
+    return {"model": msd, "optim": osd, "sched": policy.scheduler.state_dict()}
 
 
-def load_state(policy: Policy, path: str) -> None:
-    _reshard(policy.model)
-    msd, osd = get_state_dict(policy.model, policy.optimizer)
-    state = {"model": msd, "optim": osd, "sched": policy.scheduler.state_dict()}
+def save_state(policy: Policy, path: str, optimizer: bool = True) -> None:
+    """The weights and, if `optimizer`, the AdamW and schedule state, sharded (torch.distributed.
+    checkpoint; all ranks of the job call, the folder must be on a filesystem every rank sees). For
+    a policy on a sub-mesh (students) the groups' copies are deduplicated, so they must hold the
+    same weights (theta). Not atomic on its own: save_checkpoint writes it inside a folder that
+    appears in one rename."""
+    dcp.save(_state(policy, optimizer), checkpoint_id=path)
+
+
+def load_state(policy: Policy, path: str, optimizer: bool = True) -> None:
+    state = _state(policy, optimizer)
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(policy.model, policy.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    policy.scheduler.load_state_dict(state["sched"])
+    if optimizer:
+        set_state_dict(policy.model, policy.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        policy.scheduler.load_state_dict(state["sched"])
+    else:
+        set_model_state_dict(policy.model, state["model"])
 
 
 # out/ckpt/step-N holds everything a restart needs (each policy's save_state and state.json); it
@@ -504,16 +536,22 @@ def ckpt_dirs(out: str) -> list[str]:
     return [os.path.join(root, d) for d in sorted(done, key=lambda d: int(d[5:]))]
 
 
-def save_checkpoint(out: str, step: int, policies: dict, state: dict) -> None:
-    """out/ckpt/step-N: save_state of each policy and state.json; older checkpoints go. All ranks call."""
-    final = os.path.join(out, "ckpt", f"step-{step}")
+def save_checkpoint(out: str, step: int, policies: dict, state: dict, unchanged: tuple = ()) -> None:
+    """out/ckpt/step-N: save_state of each policy (name: (policy, with optimizer state?)) and
+    state.json; older checkpoints go. A policy named in `unchanged` holds the same state as in the
+    previous checkpoint: its files are hard-linked from there, not written again. All ranks call."""
+    final, prev = os.path.join(out, "ckpt", f"step-{step}"), (ckpt_dirs(out) or [None])[-1]
     tmp = final + ".tmp"
+    linked = [n for n in unchanged if prev and os.path.isdir(os.path.join(prev, n))]   # the same on every rank
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
+        for name in linked:
+            shutil.copytree(os.path.join(prev, name), os.path.join(tmp, name), copy_function=os.link)
     dist.barrier()
-    for name, policy in policies.items():
-        save_state(policy, os.path.join(tmp, name))
+    for name, (policy, optimizer) in policies.items():
+        if name not in linked:
+            save_state(policy, os.path.join(tmp, name), optimizer)
     if dist.get_rank() == 0:
         data.write_json(os.path.join(tmp, "state.json"), state)
         os.rename(tmp, final)
@@ -546,21 +584,33 @@ def seed_of(seed: int, *keys) -> int:
 
 
 TIMES = defaultdict(float)   # seconds per key since the caller last cleared it
-_open = []
+TOKENS = defaultdict(int)    # "generated/<key>", "trained/<key>": this rank's tokens per timer key
+_open = []                   # [key, seconds spent in nested blocks] of the open timed() blocks
 
 
 @contextmanager
 def timed(key: str):
     """Exclusive timers: time spent in a nested timed() block counts only for the inner key."""
     t0 = time.perf_counter()
-    _open.append(0.0)
+    _open.append([key, 0.0])
     try:
         yield
     finally:
         dt = time.perf_counter() - t0
-        TIMES[key] += dt - _open.pop()
+        TIMES[key] += dt - _open.pop()[1]
         if _open:
-            _open[-1] += dt
+            _open[-1][1] += dt
+
+
+def peak_flops() -> float | None:
+    """dense bf16 FLOP/s of this rank's GPU, if PEAK_TFLOPS knows it (None on CPU)"""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((1e12 * v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def count_tokens(kind: str, n: int) -> None:
+    """n tokens generated or trained on this rank, booked under the innermost open timer"""
+    TOKENS[f"{kind}/{_open[-1][0] if _open else 'other'}"] += n
 
 
 def config_parser(cls, preset: dict, **kwargs) -> argparse.ArgumentParser:

@@ -70,12 +70,14 @@ class Config:
     # ---- systems ----
     student_groups: int = 0     # G; 0 = as many as fit (a divisor of the ranks, <= g*r)
     micro_batch_tokens: int = 16384  # tokens per forward/backward pass (rows x longest row)
-    activation_checkpointing: bool = False  # recompute activations in backward (less memory)
+    activation_checkpointing: bool = True   # recompute activations in backward: a 3B student fits beside the engine
     gpu_memory_utilization: float = 0.3     # the vLLM engine's share of GPU memory
+    save_every: int = 10        # write the HF folders teacher/ and student/ every this many steps and at the end
 
 
 # settings a resumed run may change without invalidating its checkpoint
-MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "gpu_memory_utilization"}
+MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpointing", "gpu_memory_utilization",
+              "save_every"}
 
 
 def parse_args(argv=None) -> Config:
@@ -125,6 +127,13 @@ def teacher_advantages(R_k: list[float]) -> list[float]:
     return rloo.rloo_advantages(torch.tensor(R_k, dtype=torch.float64)).tolist()
 
 
+def can_promote(cfg: Config, history: list[float]) -> bool:
+    """Can this step promote? Only with the grounded reward, once the window is full, and if MA can
+    still pass tau with the best possible step reward (1): else no student needs keeping for it."""
+    prev = history[len(history) + 1 - cfg.window:] if cfg.window > 1 else []
+    return cfg.reward == "grounded" and len(history) + 1 >= cfg.window and (sum(prev) + 1) / cfg.window > cfg.tau
+
+
 def learnability(success_rates: list[float]) -> float:
     """r_q = 0 if s = 0 else 1 - s, averaged over the dataset (METHOD.md "Intrinsic-T")."""
     return sum(0.0 if s == 0 else 1.0 - s for s in success_rates) / len(success_rates)
@@ -144,6 +153,7 @@ def main(cfg: Config):
                disable=rank != 0, desc="SOAR", dynamic_ncols=True)
     for step in bar:
         rloo.TIMES.clear()
+        rloo.TOKENS.clear()
         t_step = time.perf_counter()
         S = inner_steps(cfg, state["promotions"])
         # 1-2. the teacher samples g*n valid pairs (rejection sampling), split in order into X_1..X_g
@@ -154,19 +164,22 @@ def main(cfg: Config):
                                                 temperature=cfg.temperature, seed=cfg.seed, key=step,
                                                 max_rounds=cfg.max_rejection_rounds, group=dist.group.WORLD)
         datasets = [[p for _, p in kept[k * n:(k + 1) * n]] for k in range(g)]
-        # 3-4. a fresh Q_R; the baseline's greedy accuracy on it, once per step
+        # 3-4. a fresh Q_R; the baseline's greedy accuracy on it, once per step and student group: on the
+        # group's own engines, as its trained students will be measured (greedy bf16 decoding is not
+        # batch-invariant, so Acc0 from other engines or batches could differ by more than tau)
         q_r = data.sample_questions(run.hard, cfg.qr_size, random.Random(rloo.seed_of(cfg.seed, step, "q_r")))
         rloo.restore(run.student, theta)
         with rloo.timed("sync"):
             rloo.sync_weights(run.student, run.llm)
         with rloo.timed("evaluation"):
-            acc0 = accuracy(cfg, run.llm, q_r, dist.group.WORLD)
+            acc0 = accuracy(cfg, run.llm, q_r, run.mesh["fsdp"].get_group())
         # 5. R_kj = Acc(a student trained on X_k from theta) - Acc0; Intrinsic-T: X_k's learnability
         if cfg.reward == "learnability":
             with rloo.timed("evaluation"):
-                R, snaps = [[r] for r in learnability_rewards(cfg, run.llm, datasets, step)], {}
+                R, snaps, held = [[r] for r in learnability_rewards(cfg, run.llm, datasets, step)], {}, 0
         else:
-            R, snaps = train_students(cfg, run, theta, datasets, q_r, acc0, S, step)
+            R, snaps, held = train_students(cfg, run, theta, datasets, q_r, acc0, S, step,
+                                            keep=can_promote(cfg, state["history"]))
         R_k = [sum(row) / len(row) for row in R]
         # 6-7. Rhat, MA, promotion (Intrinsic-T trains no students, so it never promotes)
         reward, ma, chosen, state["history"] = decide(state["history"], R, cfg.window,
@@ -188,10 +201,13 @@ def main(cfg: Config):
         row = dict(step=step, acc0=acc0, R=R, R_k=R_k, reward=reward, ma=ma, promoted=bool(chosen),
                    promoted_k=chosen[0] if chosen else None, promoted_j=chosen[1] if chosen else None,
                    promotions=state["promotions"], inner_steps=S, teacher_valid_rate=len(kept) / sampled,
-                   teacher_samples=sampled, teacher_loss=stats["loss"], teacher_kl=stats["kl"],
+                   teacher_samples=sampled, teacher_loss=stats["loss"], teacher_kl=stats["kl"], snapshots=held,
                    **{k: round(v, 3) for k, v in rloo.TIMES.items()}, total=round(time.perf_counter() - t_step, 3))
-        commit_step(cfg, run, state, theta, row, save_student=bool(chosen) or step == first_step)
-        bar.set_postfix(reward=f"{reward:+.3f}", ma="-" if ma is None else f"{ma:+.3f}", promotions=state["promotions"])
+        row.update(throughput(cfg, run))
+        commit_step(cfg, run, state, theta, row, promoted=bool(chosen))
+        if rank == 0:
+            bar.write(f"step {step + 1}/{cfg.outer_steps}  reward {reward:+.3f}  MA {'-' if ma is None else f'{ma:+.3f}'}"
+                      f"  promotions {state['promotions']}  valid {len(kept) / sampled:.0%}  {row['total']:.0f} s")
     if rank == 0:
         print(f"done: {cfg.out}/metrics.jsonl, {pq_path} ({state['pq']} promotion questions), "
               f"{cfg.out}/teacher, {cfg.out}/student")
@@ -207,12 +223,15 @@ def accuracy(cfg: Config, llm, questions: list[dict], group) -> float:
     return sum(counts) / len(questions)
 
 
-def train_students(cfg: Config, run, theta, datasets, q_r, acc0, S, step):
+def train_students(cfg: Config, run, theta, datasets, q_r, acc0, S, step, keep: bool):
     """Step 5 (METHOD.md "Inner loop"): each group trains its share of the g*r students in turn, each
     from theta with a fresh optimizer, and measures it on Q_R. Returns the g x r table R (on every
-    rank) and this group's trained students' snapshots (promotion candidates)."""
+    rank), the promotion candidates this group must keep and the most any rank keeps. The last
+    student a group trains stays in its model until the decision; the others are snapshots in host
+    RAM, kept only if `keep` (a promotion is possible this step)."""
     R, snaps, G, my_group = {}, {}, run.mesh["group"].size(), run.mesh.get_local_rank("group")
-    for k, j in students(cfg)[my_group::G]:
+    mine = students(cfg)[my_group::G]
+    for k, j in mine:
         rloo.restore(run.student, theta)
         with rloo.timed("student_training"):
             rloo.reset_optimizer(run.student, lr=cfg.student_lr, warmup_steps=0, total_steps=S)
@@ -229,9 +248,11 @@ def train_students(cfg: Config, run, theta, datasets, q_r, acc0, S, step):
             rloo.sync_weights(run.student, run.llm)
         with rloo.timed("evaluation"):
             R[k, j] = accuracy(cfg, run.llm, q_r, run.mesh["fsdp"].get_group()) - acc0
-        snaps[k, j] = rloo.snapshot(run.student)
-    R = {kj: v for part in rloo.all_gather(R) for kj, v in part.items()}
-    return [[R[k, j] for j in range(cfg.students)] for k in range(cfg.num_datasets)], snaps
+        if keep and (k, j) != mine[-1]:
+            snaps[k, j] = rloo.snapshot(run.student)
+    parts = rloo.all_gather((R, len(snaps)))
+    R = {kj: v for part, _ in parts for kj, v in part.items()}
+    return [[R[k, j] for j in range(cfg.students)] for k in range(cfg.num_datasets)], snaps, max(n for _, n in parts)
 
 
 def learnability_rewards(cfg: Config, llm, datasets, step) -> list[float]:
@@ -252,9 +273,11 @@ def students(cfg: Config) -> list[tuple[int, int]]:
 
 
 def promote(cfg: Config, run, chosen, snaps, theta):
-    """theta := the chosen student (METHOD.md "Promotion"): its group broadcasts its shards to the others."""
+    """theta := the chosen student (METHOD.md "Promotion"): its group broadcasts its shards to the others.
+    The group holds it as a snapshot, or still in its model if it was the last one the group trained."""
     src = students(cfg).index(chosen) % run.mesh["group"].size()   # the group that trained it
-    theta = snaps[chosen] if run.mesh.get_local_rank("group") == src else theta
+    if run.mesh.get_local_rank("group") == src:
+        theta = snaps[chosen] if chosen in snaps else rloo.snapshot(run.student)
     with rloo.timed("sync"):
         rloo.broadcast_snapshot(theta, src, run.mesh["group"].get_group())
     return theta
@@ -273,6 +296,7 @@ class Run:
     theta: dict                 # the baseline student's shards (rloo.snapshot)
     hard: list                  # the hard train split
     state: dict                 # what a checkpoint holds besides the weights
+    n_params: int
 
 
 def setup(cfg: Config) -> Run | None:
@@ -310,26 +334,56 @@ def setup(cfg: Config) -> Run | None:
                                kl_coef=cfg.kl_coef, activation_checkpointing=cfg.activation_checkpointing)
     if ckpt:
         rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
-        rloo.load_state(student, os.path.join(ckpt, "student"))
+        rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta: weights only
+    n_params = sum(p.numel() for p in teacher.model.parameters())
     if rank == 0:   # rows of steps no checkpoint covers go
         data.truncate_jsonl(os.path.join(cfg.out, "metrics.jsonl"), state["step"])
         data.truncate_jsonl(os.path.join(cfg.out, "pq.jsonl"), state["step"])
-        print(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model {cfg.model}; out {cfg.out}; "
-              f"{'resuming at' if ckpt else 'starting at'} step {state['step']} of {cfg.outer_steps}", flush=True)
-    return Run(mesh, tok, llm, teacher, student, rloo.snapshot(student), hard, state)
+        hf = n_params * teacher.save_dtype.itemsize / 1e9
+        print(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model {cfg.model} "
+              f"({n_params / 1e9:.2f} B parameters); out {cfg.out}; {'resuming at' if ckpt else 'starting at'} step "
+              f"{state['step']} of {cfg.outer_steps}\nwritten per step: checkpoint {12 * n_params / 1e9:.2f} GB "
+              f"(teacher fp32 weights + AdamW; the student's {4 * n_params / 1e9:.2f} GB of weights only after a "
+              f"promotion), HF folders {hf:.2f} GB each every {cfg.save_every} steps", flush=True)
+    return Run(mesh, tok, llm, teacher, student, rloo.snapshot(student), hard, state, n_params)
 
 
-def commit_step(cfg: Config, run: Run, state: dict, theta, row: dict, save_student: bool) -> None:
-    """The metrics row first, then the checkpoint that commits the step (a resume drops rows of
-    uncommitted steps); the HF folders of teacher and baseline student between the two."""
+def throughput(cfg: Config, run: Run) -> dict:
+    """The step's tokens generated and trained per phase (all ranks), tokens/s per GPU per phase and,
+    on a GPU we know the peak of, the MFU of the training phases: 6N FLOP per trained token, 8N
+    with the KL reference's forward (attention and recomputation not counted)."""
+    tokens, W, peak = {}, dist.get_world_size(), rloo.peak_flops()
+    for part in rloo.all_gather(dict(rloo.TOKENS)):
+        for k, v in part.items():
+            tokens[k] = tokens.get(k, 0) + v
+    row = {f"tokens/{k}": v for k, v in sorted(tokens.items())}
+    for phase in sorted({k.split("/")[1] for k in tokens}):
+        n, secs = sum(v for k, v in tokens.items() if k.endswith("/" + phase)), rloo.TIMES[phase]
+        row[f"perf/tokens_per_s_per_gpu/{phase}"] = round(n / max(secs, 1e-9) / W, 1)
+        if peak and f"trained/{phase}" in tokens:
+            flops = (6 + 2 * (cfg.kl_coef > 0)) * run.n_params * tokens[f"trained/{phase}"]
+            row[f"perf/mfu/{phase}"] = round(flops / max(secs, 1e-9) / (W * peak), 4)
+    return row
+
+
+def commit_step(cfg: Config, run: Run, state: dict, theta, row: dict, promoted: bool) -> None:
+    """The metrics row, then the checkpoint that commits the step (a resume drops rows of steps no
+    checkpoint covers), then, every save_every steps and at the end, the HF folders teacher/ and
+    student/ (never ahead of the checkpoint; student/ only when theta changed since it was written)."""
     if dist.get_rank() == 0:
         data.append_jsonl(os.path.join(cfg.out, "metrics.jsonl"), [row])
+    rloo.restore(run.student, theta)   # the checkpoint and outputs hold the baseline, not the last student trained
+    rloo.save_checkpoint(cfg.out, state["step"], {"teacher": (run.teacher, True), "student": (run.student, False)},
+                         {**state, "config": dataclasses.asdict(cfg)}, unchanged=() if promoted else ("student",))
+    if state["step"] % cfg.save_every and state["step"] < cfg.outer_steps:
+        return
     rloo.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok)
-    rloo.restore(run.student, theta)   # the outputs hold the baseline, not the last student trained
-    if save_student:                   # theta changes only on promotion
+    marker = os.path.join(cfg.out, "student", "soar.jsonl")   # which theta student/ holds
+    written = data.read_jsonl(marker)
+    if not written or written[0]["promotions"] != state["promotions"]:
         rloo.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok)
-    rloo.save_checkpoint(cfg.out, state["step"], {"teacher": run.teacher, "student": run.student},
-                         {**state, "config": dataclasses.asdict(cfg)})
+        if dist.get_rank() == 0:
+            data.write_jsonl(marker, [{"step": state["step"], "promotions": state["promotions"]}])
 
 
 if __name__ == "__main__":

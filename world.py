@@ -84,7 +84,7 @@ PRESET = dict(
     teacher_lr=1e-3, teacher_warmup=2, learnability_samples=8,
     # both: students and sampling
     student_questions=4, student_samples=8, student_lr=1e-3, student_max_tokens=MAX_TOKENS,
-    teacher_max_tokens=MAX_TOKENS,
+    teacher_max_tokens=MAX_TOKENS, activation_checkpointing=False,
     # eval.py: fresh students, the fail@k filter, diversity
     student_steps=24, student_warmup=2, switch_step=6, big_group=16, teacher_questions=32, eval_every=4,
     ckpt_every=8, es_window=5, es_average=8, filter_samples=32, vendi_subset=32, vendi_draws=20)
@@ -164,7 +164,7 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, easy: tuple, s
     # learnt is ~30 tokens, so each fixed prefix runs once per batch and its keys and values are
     # shared by all rows (gradients flow through them): the same loss for ~4x less compute.
     # The teacher prompt is all prefix; the student prompt is, up to "User:".
-    t_prefix = _ids(tok, data.teacher_prompt(tok))
+    t_prefix = data.teacher_prompt(tok)
     s_prefix = _ids(tok, data.STUDENT_PROMPT.split("{question}")[0].rstrip())
 
     def problem():

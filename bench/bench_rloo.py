@@ -5,11 +5,15 @@ model-FLOP utilisation. A random model of the chosen shape is written first (no 
 
     python bench/bench_rloo.py                            # tiny Llama, CPU-sized batch
     torchrun --nproc_per_node 8 bench/bench_rloo.py --shape llama3b
-        # Llama-3.2-3B shape, one student inner step: 256 rollouts x 1024 tokens
+        # Llama-3.2-3B shape, one student inner step: 256 rollouts x (128 + 1024) tokens
+    python bench/bench_rloo.py --shape llama3b --train-only
+        # the training half alone, no vLLM needed: on one GPU, with the engine's share of its memory
+        # (--gpu-memory-utilization) held back, as in a real run
 
 MFU counts 6*N*tokens for the policy forward+backward and 2*N*tokens for the reference
 forward (N = all parameters, lm_head counted once when tied; attention FLOPs and activation
-recomputation not counted), over --peak-tflops per rank (790 = bf16 dense measured on H200).
+recomputation not counted), over a bf16 matmul measured in the same run (GPU) and over the
+GPU's spec-sheet peak (rloo.PEAK_TFLOPS).
 """
 import argparse
 import os
@@ -32,7 +36,7 @@ SHAPES = {  # LlamaConfig fields; head_dim 64 everywhere (the CPU attention kern
 }
 DEFAULTS = {  # rollouts, prompt tokens, completion tokens, micro-batch tokens, activation ckpt
     "tiny": (64, 32, 128, 8192, False),
-    "llama3b": (256, 128, 1024, 8192, True),   # a student step: 8 questions x 32 samples
+    "llama3b": (256, 128, 1024, 16384, True),   # a student step (8 questions x 32 samples), soar.py's defaults
 }
 
 
@@ -69,6 +73,16 @@ def timed(fn, dev):
     return out, time.perf_counter() - t
 
 
+def matmul_tflops(dev) -> float | None:
+    """bf16 TFLOP/s of 8192^3 matmuls on this GPU, measured now (None on CPU)"""
+    if dev.type != "cuda":
+        return None
+    a, b = (torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    timed(lambda: [a @ b for _ in range(3)], dev)
+    _, t = timed(lambda: [a @ b for _ in range(10)], dev)
+    return 10 * 2 * 8192 ** 3 / t / 1e12
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=SHAPES, default="tiny")
@@ -79,7 +93,8 @@ def main():
     ap.add_argument("--micro-batch-tokens", type=int)
     ap.add_argument("--no-activation-checkpointing", action="store_true")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    ap.add_argument("--peak-tflops", type=float, help="per rank, bf16 dense (default on GPU: 790, H200)")
+    ap.add_argument("--train-only", action="store_true", help="no vLLM: the train step alone (the engine's "
+                    "share of GPU memory is held back all the same)")
     ap.add_argument("--workdir", default="/tmp/bench_rloo")
     args = ap.parse_args()
     rollouts, plen, glen, mbt, ac = DEFAULTS[args.shape]
@@ -87,56 +102,70 @@ def main():
     mbt, ac = args.micro_batch_tokens or mbt, ac and not args.no_activation_checkpointing
 
     rank, world, dev = rloo.init_distributed()
+    peak_measured = matmul_tflops(dev)
     path = os.path.join(args.workdir, args.shape)
     n_params = make_model(path, args.shape, dev) if rank == 0 else 0   # printed by rank 0
     if dev.type == "cuda":
         torch.cuda.empty_cache()   # vLLM sizes its KV cache from the memory still free
     dist.barrier()
-    llm = rloo.build_engine(path, max_model_len=plen + glen + 8,
-                            gpu_memory_utilization=args.gpu_memory_utilization)
-    mesh = init_device_mesh(dev.type, (world,))
-    pol = rloo.load_policy(path, mesh, lr=1e-5, warmup_steps=0, total_steps=100, kl_coef=0.001,
-                           activation_checkpointing=ac)
     g = torch.Generator().manual_seed(0)
     vocab = SHAPES[args.shape]["vocab_size"]
     n_prompts = max(1, rollouts // args.samples)
     prompts = [torch.randint(2, vocab, (plen,), generator=g).tolist() for _ in range(n_prompts)]
-
-    # generation: every rank generates its share of the prompts, results gathered everywhere
-    rloo.generate(llm, prompts[:1], n=2, max_tokens=4, seed=0)   # warm-up
-    outs, t_gen = timed(lambda: rloo.generate(llm, prompts, n=args.samples, max_tokens=glen, seed=1,
-                                              group=dist.group.WORLD), dev)
-    gen_tokens = sum(len(s.token_ids) for o in outs for s in o)
+    if args.train_only:
+        llm, held = None, None
+        if dev.type == "cuda":   # what the engine would take: the trainer gets the rest
+            free, total = torch.cuda.mem_get_info()
+            held = torch.empty(int(args.gpu_memory_utilization * total), dtype=torch.uint8, device=dev)
+    else:
+        llm = rloo.build_engine(path, max_model_len=plen + glen + 8,
+                                gpu_memory_utilization=args.gpu_memory_utilization)
+        # generation: every rank generates its share of the prompts, results gathered everywhere
+        rloo.generate(llm, prompts[:1], n=2, max_tokens=4, seed=0)   # warm-up
+        outs, t_gen = timed(lambda: rloo.generate(llm, prompts, n=args.samples, max_tokens=glen, seed=1,
+                                                  group=dist.group.WORLD), dev)
+        gen_tokens = sum(len(s.token_ids) for o in outs for s in o)
+    mesh = init_device_mesh(dev.type, (world,))
+    pol = rloo.load_policy(path, mesh, lr=1e-5, warmup_steps=0, total_steps=100, kl_coef=0.001,
+                           activation_checkpointing=ac)
 
     # training: fixed-length completions (as many as rollouts), this rank's contiguous share
     comps = [torch.randint(2, vocab, (glen,), generator=g).tolist() for _ in range(rollouts)]
     prm = [prompts[i % n_prompts] for i in range(rollouts)]
     adv = torch.randn(rollouts, generator=g).tolist()
     lo, hi = rloo.chunk(rollouts, rank, world)
-    step = lambda: rloo.train_step(pol, prm[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=mbt)
+    step = lambda: rloo.train_step(pol, prm[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=mbt)  # noqa: E731
     timed(step, dev)   # warm-up (allocator, optimizer state)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     stats, t_train = timed(step, dev)
-    _, t_sync = timed(lambda: rloo.sync_weights(pol, llm), dev)
     mem = torch.tensor([peak_mem_gib(dev)], device=dev)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    t_sync = None if llm is None else timed(lambda: rloo.sync_weights(pol, llm), dev)[1]
 
     if rank == 0:
         seq_tokens = rollouts * (plen + glen)   # tokens through the model in the train step
         flops = 8 * n_params * seq_tokens       # 6N train + 2N reference
-        peak_tflops = args.peak_tflops or (790.0 if dev.type == "cuda" else None)
-        mfu = (f"MFU {flops / t_train / (peak_tflops * 1e12 * world):.1%} of {peak_tflops:g} TFLOP/s x {world}"
-               if peak_tflops else f"{flops / t_train / 1e9 / world:.1f} GFLOP/s per rank")
-        print(f"shape {args.shape}: {n_params / 1e6:.1f} M params, {world} rank(s) on {dev.type}, "
-              f"activation checkpointing {ac}, micro-batch {mbt} tokens")
-        print(f"generation: {len(prompts)} prompts x {args.samples} samples, {gen_tokens} new tokens "
-              f"in {t_gen:.2f} s = {gen_tokens / t_gen:,.0f} tokens/s ({gen_tokens / t_gen / world:,.0f} per rank)")
+        achieved = flops / t_train / world / 1e12
+        spec = rloo.peak_flops()
+        print(f"shape {args.shape}: {n_params / 1e6:.1f} M params, {world} rank(s) on "
+              f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, activation checkpointing {ac}, "
+              f"micro-batch {mbt} tokens")
+        if llm is not None:
+            print(f"generation: {len(prompts)} prompts x {args.samples} samples, {gen_tokens} new tokens in "
+                  f"{t_gen:.2f} s = {gen_tokens / t_gen:,.0f} tokens/s ({gen_tokens / t_gen / world:,.0f} per rank)")
         print(f"train step: {rollouts} rollouts x ({plen} + {glen}) tokens in {t_train:.2f} s = "
-              f"{seq_tokens / t_train:,.0f} tokens/s ({stats['tokens'] / t_train:,.0f} completion tokens/s); {mfu}")
-        print(f"weight sync: {t_sync * 1000:.0f} ms = {t_sync / t_train:.1%} of a train step")
-        print(f"peak memory: {mem.item():.2f} GiB per rank "
-              f"({'torch.cuda.max_memory_allocated' if dev.type == 'cuda' else 'process max RSS incl. engine'})")
+              f"{seq_tokens / t_train:,.0f} tokens/s ({stats['tokens'] / t_train:,.0f} completion tokens/s); "
+              f"{achieved:.3g} TFLOP/s per rank (8N per token)" +
+              (f", MFU {achieved / peak_measured:.1%} of the {peak_measured:.0f} TFLOP/s bf16 matmul measured now"
+               if peak_measured else "") + (f", {achieved * 1e12 / spec:.1%} of the spec sheet's {spec / 1e12:.0f}"
+                                            if spec else ""))
+        if t_sync is not None:
+            print(f"weight sync: {t_sync * 1000:.0f} ms = {t_sync / t_train:.1%} of a train step")
+        total = torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda" else None
+        print(f"peak memory: {mem.item():.2f} GiB per rank " + (
+            f"(torch.cuda.max_memory_allocated{', with the engine share held back' if args.train_only else ''}; "
+            f"the GPU has {total:.1f} GiB)" if total else "(process max RSS incl. engine)"))
     dist.barrier()
 
 

@@ -17,19 +17,28 @@ PROMPTS = ["What is 2 + 3?", "hello world", "Compute the sum", "The answer is", 
 TARGET = 80                          # learning check: reward = share of completion tokens < TARGET
 
 
+# shaped like Llama 3's chat template: it opens with its BOS and prints today's date unless told one
+CHAT_TEMPLATE = ("{{ bos_token }}{% if date_string is not defined %}{% set date_string = strftime_now('%d %b %Y') %}"
+                 "{% endif %}Today Date: {{ date_string }}\n{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 def make_tiny_model(path: str, seed: int = 0, vocab: int = 320):
-    """random 2-layer Llama (hidden 128, head_dim 64: CPU kernels reject 16) + byte-level BPE"""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """random 2-layer Llama (hidden 128, head_dim 64: CPU kernels reject 16) + byte-level BPE that,
+    like Llama 3's, adds a BOS to the text it encodes, and a chat template that starts with one"""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(PROMPTS * 10 + ["The answer is \\boxed{42}."] * 10, trainers.BpeTrainer(
         vocab_size=vocab, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
                       tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, initializer_range=0.1)
     LlamaForCausalLM(cfg).save_pretrained(path)
     fast.save_pretrained(path)
@@ -101,7 +110,8 @@ def main(out, base, ref):
         t0[0] = time.time()
 
     rank, world, dev = rloo.init_distributed()
-    llm = rloo.build_engine(base, max_model_len=256)
+    rloo.LOGIT_CHUNK_TOKENS = 16   # several chunks of the vocabulary head per micro-batch (token_logprobs)
+    llm = rloo.build_engine(base, max_model_len=1024)
     mesh = init_device_mesh("cpu", (world,))
     W = dist.group.WORLD
     res["world"] = world
@@ -121,6 +131,15 @@ def main(out, base, ref):
     big = [" ".join([PROMPTS[i % 7]] * 30) + f" {i}" for i in range(64)]
     res["big"] = [len(o) for o in rloo.generate(llm, big, n=2, max_tokens=2, seed=5)]
     res["big_prompt_tokens"] = sum(len(o[0].prompt_token_ids) for o in rloo.generate(llm, big, max_tokens=1, seed=5))
+
+    # the teacher prompt goes in as ids and comes back (the ids the trainer scores) unchanged, with
+    # one BOS; the same prompt as text would get a second BOS from the engine's tokenizer
+    import data
+    ids = data.teacher_prompt(llm.get_tokenizer())
+    res["teacher_ids"] = ids
+    res["engine_ids"] = rloo.generate(llm, [ids], max_tokens=2, seed=0)[0][0].prompt_token_ids
+    res["engine_ids_of_text"] = rloo.generate(llm, [llm.get_tokenizer().decode(ids)], max_tokens=2,
+                                              seed=0)[0][0].prompt_token_ids
 
     tick("generate")
     # --- one RLOO step on a fixed batch, KL to a different reference model

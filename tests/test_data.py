@@ -15,6 +15,14 @@ GOOD = "Let me think.\n<question>What is 3 + 4 * 2?</question><answer>\\boxed{11
     (GOOD, ("What is 3 + 4 * 2?", "11")),
     ("<question>Find x if 2x = 1.<question><answer>\\boxed{\\frac{1}{2}}</answer>", ("Find x if 2x = 1.", "\\frac{1}{2}")),
     ("<question>Q?</question>\n<answer>The answer: \\boxed{7}</answer>", ("Q?", "7")),
+    # an inequality written plainly inside the question
+    ("<question>How many integers x satisfy 0 < x < 5?</question><answer>\\boxed{4}</answer>",
+     ("How many integers x satisfy 0 < x < 5?", "4")),
+    ("<question>Is 3<x<7 for x = 5? Give x - 3.</question><answer>\\boxed{2}</answer>", ("Is 3<x<7 for x = 5? Give x - 3.", "2")),
+    # an explanation between the tagged parts (the prompt puts explanations outside the tags)
+    ("<question>What is 2^{10}?</question>\nWhy: doubling ten times.\n<answer>\\boxed{1024}</answer>", ("What is 2^{10}?", "1024")),
+    ("<question>Q?</question> (easy) <question>R?</question><answer>\\boxed{1}</answer>", ("Q?", "1")),   # the first question
+    (GOOD + GOOD, ("What is 3 + 4 * 2?", "11")),                                  # the first problem
 ])
 def test_parse_teacher_accepts(text, expected):
     assert data.parse_teacher_batch([text]) == [expected]
@@ -24,8 +32,6 @@ def test_parse_teacher_accepts(text, expected):
     "<question>What is 3 + 4?</question><answer>\\boxed{7",                      # truncated mid-answer
     "<question>What is 3 + 4?</question><answer>\\boxed{7}",                     # answer never closed
     "<question>What is 3 + 4?",                                                   # truncated in the question
-    GOOD + GOOD,                                                                  # two problems
-    "<question>A?</question><question>B?</question><answer>\\boxed{1}</answer>",  # two questions
     "What is 3 + 4? \\boxed{7}",                                                  # no tags at all
     "<question>What is 3 + 4?</question><answer>7</answer>",                      # no boxed answer
     "<question>What is 3 + 4?</question><answer>\\boxed{}</answer>",             # empty boxed answer
@@ -98,22 +104,58 @@ def test_grade_length_mismatch():
         data.grade(["a", "b"], ["1"])
 
 
-def test_prompts():
+def test_student_prompt():
     q = "Compute {a, b} \\cup {c}."  # braces must survive: no str.format on questions
     p = data.student_prompt(q)
     assert p.endswith(f"User: {q} Assistant:") and p.startswith("A conversation between User and Assistant.")
     assert "<question>[full math question]</question><answer>\\boxed{[answer]}</answer>" in data.TEACHER_PROMPT
 
-    class Tok:  # minimal stand-in: teacher_prompt only needs the template call
-        name_or_path, chat_template = "tiny", "x"
 
-        def apply_chat_template(self, msgs, tokenize, add_generation_prompt):
-            assert not tokenize and add_generation_prompt
-            return "<user>" + msgs[0]["content"] + "<assistant>"
-    assert data.teacher_prompt(Tok()) == "<user>" + data.TEACHER_PROMPT + "<assistant>"
-    Tok.chat_template = None
+# a template shaped like Llama 3's: it opens with its BOS and prints today's date unless told one
+LLAMA_LIKE = ("{{ bos_token }}{% if date_string is not defined %}{% set date_string = strftime_now('%d %b %Y') %}"
+              "{% endif %}<|sys|>Today Date: {{ date_string }}<|end|>{% for m in messages %}<|{{ m['role'] }}|>"
+              "{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def llama_like_tokenizer():
+    """byte-level BPE whose tokenizer, like Llama 3's, adds a BOS to any text it encodes"""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([data.TEACHER_PROMPT] * 5, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = LLAMA_LIKE
+    return fast
+
+
+def test_teacher_prompt_ids_one_bos_and_a_pinned_date(monkeypatch):
+    import datetime as dt
+    from transformers.utils import chat_template_utils
+    tok = llama_like_tokenizer()
+
+    def on(day):   # render as if today were `day`
+        class Frozen(dt.datetime):
+            @classmethod
+            def now(cls, tz=None):
+                return dt.datetime(2025, 1, day)
+        monkeypatch.setattr(chat_template_utils, "datetime", Frozen)
+        text = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
+        return data.teacher_prompt(tok), text
+
+    (ids1, text1), (ids2, text2) = on(1), on(2)
+    assert text1 != text2                                    # the template does print today's date...
+    assert ids1 == ids2 and data.TEMPLATE_DATE in tok.decode(ids1)   # ...but the teacher prompt is pinned
+    bos = tok.bos_token_id
+    assert ids1[0] == bos and ids1.count(bos) == 1           # exactly one BOS
+    assert tok(tok.decode(ids1))["input_ids"][:2] == [bos, bos]   # what tokenizing the rendered text gives
+    assert data.TEACHER_PROMPT in tok.decode(ids1)
+    tok.chat_template = None
     with pytest.raises(ValueError, match="no chat_template"):
-        data.teacher_prompt(Tok())
+        data.teacher_prompt(tok)
 
 
 # ---- datasets ----
@@ -133,6 +175,24 @@ def test_load_jsonl_and_errors(tmp_path):
             data.load_problems(str(tmp_path / "bad.jsonl"))
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         data.load_problems(str(tmp_path / "nope.jsonl"))
+
+
+def test_unparseable_gold_answers_are_dropped(tmp_path, capsys):
+    rows = [{"question": "a?", "answer": "12"}, {"question": "b?", "answer": "\\frac{}{}}"},
+            {"question": "c?", "answer": "x^2 + 1"}, {"question": "d?", "answer": "}{"}]
+    data.write_jsonl(str(tmp_path / "p.jsonl"), rows)
+    assert data.load_problems(str(tmp_path / "p.jsonl")) == [rows[0], rows[2]]
+    assert "dropped 2 of 4 problems whose gold answer math-verify cannot parse" in capsys.readouterr().err
+
+
+def test_harp_release_zip(tmp_path):
+    import zipfile
+    rows = [{"problem": "What is $1+1$?", "answer": 2, "level": 1}, {"problem": "Find $x$.", "answer": "\\frac{1}{2}"}]
+    with zipfile.ZipFile(tmp_path / "HARP.jsonl.zip", "w") as z:
+        z.writestr("HARP.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    assert data.read_harp_zip(str(tmp_path / "HARP.jsonl.zip")) == [
+        {"question": "What is $1+1$?", "answer": "2"}, {"question": "Find $x$.", "answer": "\\frac{1}{2}"}]
+    assert data.HARP_URL.endswith("/HARP.jsonl.zip")
 
 
 def test_load_parquet(tmp_path):

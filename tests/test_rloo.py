@@ -110,6 +110,14 @@ def test_generate(runs):
     assert one["big"] == [2] * 64 and one["big_prompt_tokens"] > 4096
 
 
+def test_teacher_prompt_reaches_the_engine_with_one_bos(runs):
+    bos = runs["tok"].bos_token_id
+    for r in [runs["one"], *runs["two"]]:
+        assert r["engine_ids"] == r["teacher_ids"]                 # what the engine saw = what the trainer scores
+        assert r["teacher_ids"][0] == bos and r["teacher_ids"].count(bos) == 1
+        assert r["engine_ids_of_text"][:2] == [bos, bos]           # the bug ids avoid: text gets a second BOS
+
+
 def test_snapshot_restore_checkpoints(runs):
     for r in [runs["one"], *runs["two"]]:
         assert r["snap_differs"] and r["restore_ok"]

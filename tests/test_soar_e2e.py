@@ -2,6 +2,7 @@
 real FSDP2 (gloo), real math-verify. Then kill -9 and resume, and the clean failures."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ FLAGS = ["--world", "small", "--outer_steps", "3", "--num_datasets", "2", "--stu
          "--qr_size", "8", "--window", "1",
          "--tau", "-1", "--inner_steps", "2", "--inner_step_inc", "1", "--student_questions", "2",
          "--student_samples", "4"]
-TIMING = {"teacher_generation", "student_training", "evaluation", "teacher_update", "sync", "total"}
+TIMING = {"teacher_generation", "student_rollouts", "student_training", "evaluation", "teacher_update", "sync",
+          "total"}
 
 
 def soar(out, *extra, wait=True):
@@ -34,7 +36,12 @@ def rows(path):
 
 
 def without_timing(metrics):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in metrics]
+    return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("perf/")} for r in metrics]
+
+
+def dcp_keys(path):
+    from torch.distributed.checkpoint import FileSystemReader
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +72,27 @@ def test_outputs_are_consistent(full_run):
         assert m["inner_steps"] == 2 + min(promotions - 1, 2)     # S grows with earlier promotions
         assert 0 < m["teacher_valid_rate"] <= 1
         assert TIMING <= m.keys() and m["total"] >= m["student_training"] > 0
+        # throughput: tokens per phase over all ranks, tokens/s per GPU (no MFU on CPU)
+        for phase in ("teacher_generation", "student_rollouts", "evaluation"):
+            assert m[f"tokens/generated/{phase}"] > 0 and m[f"perf/tokens_per_s_per_gpu/{phase}"] > 0
+        assert m["tokens/trained/student_training"] > m["tokens/trained/teacher_update"] > 0
+        assert not any(k.startswith("perf/mfu") for k in m)
+        # two students per group, the last one stays in the model: one host snapshot per rank
+        assert m["snapshots"] == 1
     pq = rows(out / "pq.jsonl")
     assert len(pq) == 4 * 3 and [r["step"] for r in pq] == [0] * 4 + [1] * 4 + [2] * 4
     assert all(r["question"] and r["answer"] for r in pq)
     assert sorted(os.listdir(out / "ckpt")) == ["step-3"]
     state = json.loads((out / "ckpt" / "step-3" / "state.json").read_text())
     assert state["step"] == 3 and state["promotions"] == 3 and state["pq"] == 12
+    # what a restart needs: the teacher with its AdamW state, the student's weights only
+    teacher, student = dcp_keys(out / "ckpt" / "step-3" / "teacher"), dcp_keys(out / "ckpt" / "step-3" / "student")
+    assert any(k.startswith("optim.") for k in teacher) and any(k.startswith("model.") for k in teacher)
+    assert student and all(k.startswith("model.") for k in student)
+    assert rows(out / "student" / "soar.jsonl") == [{"step": 3, "promotions": 3}]   # the HF folder's theta
+    log = full_run[1].stdout
+    assert "written per step: checkpoint" in log and "HF folders" in log
+    assert re.search(r"step 3/3  reward [+-]\d\.\d{3}  MA [+-]\d\.\d{3}  promotions 3  valid \d+%  \d+ s", log)
     base = AutoModelForCausalLM.from_pretrained(state["config"]["model"]).state_dict()
     for name in ("teacher", "student"):   # HF folders that load, with the base model's tensors
         sd = AutoModelForCausalLM.from_pretrained(out / name).state_dict()
@@ -119,6 +141,25 @@ def test_kill_and_resume_gives_the_same_metrics(full_run, tmp_path):
     assert "resuming at step" in q.stdout
     assert without_timing(rows(out / "metrics.jsonl")) == without_timing(rows(out_a / "metrics.jsonl"))
     assert rows(out / "pq.jsonl") == rows(out_a / "pq.jsonl")
+
+
+def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_path):
+    """student lr 0: every trained student is the baseline, so R == 0 exactly (Acc0 is measured on the
+    same engines and batches as the students), on a Q_R the model partly solves (easy sums). Window 2:
+    step 0 cannot promote, so no snapshot is kept; step 1 can."""
+    import random
+    import world
+    rng = random.Random(0)
+    easy = tmp_path / "easy.jsonl"
+    easy.write_text("".join(json.dumps({k: p[k] for k in ("question", "answer")}) + "\n"
+                            for p in (world.make_problem(rng, 2) for _ in range(16))))
+    out = tmp_path / "lr0"
+    p = soar(out, "--student_lr", "0", "--window", "2", "--tau", "0.4", "--outer_steps", "2", "--train", str(easy))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    metrics = rows(out / "metrics.jsonl")
+    assert all(m["acc0"] > 0 for m in metrics)
+    assert [x for m in metrics for row in m["R"] for x in row] == [0.0] * 8
+    assert [m["snapshots"] for m in metrics] == [0, 1] and not any(m["promoted"] for m in metrics)
 
 
 def test_clean_failures(tmp_path):

@@ -60,6 +60,15 @@ def test_teacher_advantages_leave_one_out():
     assert sum(adv) == pytest.approx(0.0)    # why rejection sampling is exact (paper Prop. 1)
 
 
+def test_can_promote_only_when_the_window_can_pass_tau():
+    cfg = Config(window=3, tau=0.01)
+    assert not soar.can_promote(cfg, []) and not soar.can_promote(cfg, [0.1])   # the window cannot be full yet
+    assert soar.can_promote(cfg, [0.1, 0.2]) and soar.can_promote(cfg, [0.0] * 7)
+    assert not soar.can_promote(Config(window=3, tau=0.5), [-0.3, -0.3])          # (-0.6 + 1) / 3 <= 0.5
+    assert soar.can_promote(Config(window=1), []) and not soar.can_promote(Config(window=1, tau=1.0), [])
+    assert not soar.can_promote(Config(window=1, reward="learnability"), [0.5])
+
+
 def test_learnability_reward():
     assert learnability([0.0, 0.25, 1.0, 0.5]) == pytest.approx((0 + 0.75 + 0 + 0.5) / 4)
 

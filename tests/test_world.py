@@ -59,14 +59,15 @@ def test_small_world_model_folder(small_world):
     assert cfg.model_type == "llama" and cfg.head_dim == 64
     tok = AutoTokenizer.from_pretrained(model)
     prompt = data.teacher_prompt(tok)  # the chat template is there and renders the teacher prompt
-    assert data.TEACHER_PROMPT in prompt and tok.eos_token and tok.pad_token
+    assert data.TEACHER_PROMPT in tok.decode(prompt) and tok.eos_token and tok.pad_token
     # same ids with or without special tokens: nothing is added behind the caller's back
-    assert tok(prompt)["input_ids"] == tok(prompt, add_special_tokens=False)["input_ids"]
+    text = tok.decode(prompt)
+    assert tok(text)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"] == prompt
     # the engines' context holds a teacher prompt + reply and a student prompt + completion
     import rloo
     q = "What is 12 + 345?"
     n = rloo.engine_len(tok, [q], student_max_tokens=48, teacher_max_tokens=48)
-    assert n >= len(tok(prompt)["input_ids"]) + 48 and n >= len(tok(data.student_prompt(q))["input_ids"]) + 48
+    assert n >= len(prompt) + 48 and n >= len(tok(data.student_prompt(q))["input_ids"]) + 48
 
 
 def test_small_world_is_reused(small_world):
