@@ -15,6 +15,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -142,8 +143,19 @@ def _answer_parses(answer: str) -> bool:
 _TASKS = {"reward": student_reward, "parses": _answer_parses}
 
 
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies, so that no orphan goes on
+    running (or writing into a run folder) after its launcher is gone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
+        if os.getppid() == 1:                         # the parent died before we asked
+            os._exit(1)
+
+
 def _worker(conn):
     import logging
+    die_with_parent()   # its parent is multiprocessing's fork server, which exits with our process
     import math_verify  # noqa: F401  (loaded before "ready": the deadline must not pay for imports)
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # timeouts are expected here, not news
     conn.send("ready")
@@ -157,6 +169,10 @@ def _worker(conn):
 
 
 _pool: list = []  # [process, connection] pairs, built on first use and kept
+# items past the deadline (worker killed) and items whose worker crashed or raised, since the start;
+# callers read differences (soar.py and eval.py log them per step)
+GRADING_FAULTS = {"grading_timeouts": 0, "grading_errors": 0}
+WARN_FAULT_SHARE = 0.01   # grade() warns when more than this share of a batch failed so
 
 
 def _spawn():
@@ -192,6 +208,7 @@ def _pool_map(kind: str, items: list[tuple], on_timeout) -> list:
                 res = conn.recv()
             except EOFError:  # the worker died (e.g. out of memory on a huge number)
                 res, _pool[w] = None, _spawn()
+            GRADING_FAULTS["grading_errors"] += res is None
             out[i] = on_timeout if res is None else res
         now = time.monotonic()
         for w, (i, t0) in list(busy.items()):
@@ -199,6 +216,7 @@ def _pool_map(kind: str, items: list[tuple], on_timeout) -> list:
                 _pool[w][0].kill()
                 _pool[w] = _spawn()
                 del busy[w]
+                GRADING_FAULTS["grading_timeouts"] += 1
     return out
 
 
@@ -213,7 +231,12 @@ def grade(completions: list[str], golds: list[str]) -> list[float]:
     for i, k in enumerate(keys):
         if k[0] is not None:
             first.setdefault(k, i)
+    before = sum(GRADING_FAULTS.values())
     graded = dict(zip(first, _pool_map("reward", [(completions[i], golds[i]) for i in first.values()], R_BOXED)))
+    failed = sum(GRADING_FAULTS.values()) - before
+    if failed > WARN_FAULT_SHARE * len(first):
+        print(f"grade: {failed} of {len(first)} distinct answers timed out or crashed their grading worker; "
+              f"scored as wrong (R_BOXED)", file=sys.stderr, flush=True)
     return [graded.get(k, R_NONE) for k in keys]
 
 
@@ -314,24 +337,12 @@ def read_jsonl(path: str) -> list[dict]:
     return [row for _, row in _read_jsonl(path)] if os.path.exists(path) else []
 
 
-def publish(tmp: str, path: str) -> None:
-    """Put the finished file or folder `tmp` in place of `path`, so a reader (or a crash) never
-    sees a half-written one: a file by one os.replace; a folder is renamed over after the old one
-    is moved aside to path.old."""
-    if os.path.isdir(tmp) and os.path.exists(path):
-        shutil.rmtree(path + ".old", ignore_errors=True)
-        os.rename(path, path + ".old")
-        os.rename(tmp, path)
-        shutil.rmtree(path + ".old")
-    else:
-        os.replace(tmp, path)
-
-
 def write_text(path: str, text: str) -> None:
+    """Written to path.tmp, then renamed: a reader (or a crash) never sees a half-written file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(text)
-    publish(path + ".tmp", path)
+    os.replace(path + ".tmp", path)
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
@@ -340,6 +351,11 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 
 def write_json(path: str, obj) -> None:
     write_text(path, json.dumps(obj, indent=1))
+
+
+def read_json(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def append_jsonl(path: str, rows: list[dict]) -> None:

@@ -296,9 +296,10 @@ def train_run(cfg: Config, seed: int, method: str, synthetic, real, test, llm, m
                                       max_tokens=cfg.student_max_tokens, seed=rloo.seed_of(seed, "student", step),
                                       group=dist.group.WORLD, micro_batch_tokens=cfg.micro_batch_tokens)
             rewards.append(stats["reward"])
+            row = {"step": step, "source": source, **stats, "skipped_updates": 0, **rloo.gather_counts(),
+                   "seconds": round(time.perf_counter() - t0, 3)}
             if rank == 0:
-                data.append_jsonl(metrics_path, [{"step": step, "source": source, **stats,
-                                                  "seconds": round(time.perf_counter() - t0, 3)}])
+                data.append_jsonl(metrics_path, [row])
             step += 1
             bar.update(1)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", acc=f"{stats['accuracy']:.3f}")
@@ -325,11 +326,18 @@ def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False):
     _, world_size, device = rloo.init_distributed()
     mesh = init_device_mesh(device.type, (world_size,))
     tok = AutoTokenizer.from_pretrained(cfg.model)
-    questions = [q["question"] for qs in question_sets for q in qs]
+    seq_len = rloo.engine_len(tok, [q["question"] for qs in question_sets for q in qs], cfg.student_max_tokens,
+                              cfg.teacher_max_tokens if teacher else 0)
+    bad = [msg for b, msg in [
+        (cfg.student_samples < 2 or cfg.big_group < 2, "--student_samples and --big_group: RLOO needs at least 2"),
+        (min(cfg.student_questions, cfg.eval_every, cfg.ckpt_every, cfg.passk_samples) < 1,
+         "--student_questions, --eval_every, --ckpt_every and --passk_samples must be at least 1"),
+        (cfg.micro_batch_tokens < seq_len, f"--micro_batch_tokens {cfg.micro_batch_tokens} is less than one "
+                                           f"sequence (prompt + completion: up to {seq_len} tokens)")] if b]
+    if bad:
+        raise SystemExit("eval.py: these settings cannot work:\n  " + "\n  ".join(bad))
     llm = rloo.build_engine(cfg.model, seed=int(cfg.seeds.split(",")[0]),
-                            gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            max_model_len=rloo.engine_len(tok, questions, cfg.student_max_tokens,
-                                                          cfg.teacher_max_tokens if teacher else 0))
+                            gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=seq_len)
     return mesh, tok, llm
 
 
@@ -372,6 +380,7 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
     for method in methods:
         for seed in seeds:
             out = os.path.join(cfg.runs, method, f"seed{seed}")
+            rloo.lock_folder(out)   # one process per run folder
             if done(cfg, method, seed):
                 say(f"{out}: finished already")
                 continue

@@ -10,6 +10,8 @@ rank's process and serves whatever weights are synced into it next (teacher or s
 """
 import argparse
 import dataclasses
+import fcntl
+import glob
 import inspect
 import json
 import logging
@@ -50,6 +52,8 @@ ADAM_EPS = 1e-8
 # training numerics
 GPU_PARAM_DTYPE = torch.bfloat16   # compute dtype on GPU; master weights + grads reduce stay fp32
 LOGIT_CHUNK_TOKENS = 2048   # token_logprobs applies the vocabulary head to this many tokens at a time
+MAX_NONFINITE = 3           # updates skipped in a row for a non-finite loss or gradient before a run stops
+KEEP_CKPTS = 2              # checkpoints kept: a damaged newest one falls back to the one before
 # dense bf16 peak of one GPU, for the MFU estimate in metrics.jsonl (spec sheets, SXM parts)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
 # -----------------------------------------------------------------------------
@@ -65,6 +69,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
     """rank, world size, device. A plain `python script.py` becomes a 1-rank group, so the
     same code path (external_launcher engine, FSDP2) runs with and without torchrun."""
     cuda = torch.cuda.is_available()
+    if "TORCHELASTIC_RUN_ID" in os.environ:   # a rank of torchrun's: never outlive the launcher (a killed
+        data.die_with_parent()               # launcher's orphans would go on writing into --out)
     if not dist.is_initialized():
         for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
             os.environ.setdefault(k, v)
@@ -75,6 +81,32 @@ def init_distributed() -> tuple[int, int, torch.device]:
                                 device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None)
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), dev
+
+
+_LOCKS = []   # lock files this process holds (lock_folder); the kernel releases them when it dies
+
+
+def lock_folder(folder: str) -> None:
+    """One run per folder: rank 0 takes an exclusive lock on folder/.lock for the life of the process.
+    A second run on the folder stops at once with an error naming the folder and the live process;
+    a dead run's lock is gone with it (flock), so a resume is never blocked. All ranks call."""
+    err = None
+    if dist.get_rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+        f = open(os.path.join(folder, ".lock"), "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            f.truncate(0)
+            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            f.flush()
+            _LOCKS.append(f)
+        except BlockingIOError:
+            f.seek(0)
+            err = f"{folder} is in use by a live run ({f.read().strip() or 'another process'}); " \
+                  f"wait for it to end, stop it, or choose another folder"
+    err = all_gather(err)[0]
+    if err:
+        raise RuntimeError(err)
 
 
 def chunk(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -160,7 +192,7 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
     outs = llm.generate(inputs, params, use_tqdm=False) if inputs else []
     mine = [[Sample(c.text, list(c.token_ids), list(o.prompt_token_ids))
              for c in (o.outputs * n if greedy else o.outputs)] for o in outs]
-    count_tokens("generated", sum(len(c.token_ids) for o in outs for c in o.outputs))
+    count("generated", sum(len(c.token_ids) for o in outs for c in o.outputs))
     return mine if world == 1 else [s for part in all_gather(mine, group) for s in part]
 
 
@@ -239,6 +271,7 @@ class Policy:
     grad_clip: float = 1.0
     save_dtype: torch.dtype = torch.float32   # dtype of the checkpoint we loaded (for save_hf)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    nonfinite: int = 0                        # updates skipped in a row for a non-finite loss or gradient
 
 
 def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
@@ -388,17 +421,28 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
         stats[1] += (pg.detach() * mask).sum()
         stats[2] += (kl.detach() * mask).sum()
     dist.all_reduce(stats[1:], group=group)
-    count_tokens("trained", sum(map(len, seqs)))
+    count("trained", sum(map(len, seqs)))
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), policy.grad_clip)
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
     lr = policy.scheduler.get_last_lr()[0]
-    policy.optimizer.step()
-    policy.scheduler.step()
-    policy.optimizer.zero_grad(set_to_none=True)
     pg_loss, kl = stats[1].item() / max(n_tokens, 1.0), stats[2].item() / max(n_tokens, 1.0)
+    # the same numbers on every rank (all-reduced), so every rank takes the same branch
+    finite = all(map(math.isfinite, (pg_loss, kl, grad_norm.item())))
+    if finite:
+        policy.optimizer.step()
+        policy.scheduler.step()
+    policy.optimizer.zero_grad(set_to_none=True)
+    policy.nonfinite = 0 if finite else policy.nonfinite + 1
+    if not finite:
+        count("skipped_updates")
+        msg = f"non-finite loss {pg_loss}, KL {kl} or gradient norm {grad_norm.item()}"
+        if policy.nonfinite >= MAX_NONFINITE:
+            raise RuntimeError(f"{msg} in {policy.nonfinite} updates in a row: stopping (see MAX_NONFINITE in rloo.py)")
+        if dist.get_rank() == 0:
+            print(f"rloo.train_step: {msg}: update skipped", file=sys.stderr, flush=True)
     return dict(loss=pg_loss + policy.kl_coef * kl, pg_loss=pg_loss, kl=kl,
-                grad_norm=grad_norm.item(), lr=lr, tokens=n_tokens)
+                grad_norm=grad_norm.item(), lr=lr, tokens=n_tokens, skipped=not finite)
 
 
 def student_step(policy: Policy, llm, batch: list[tuple[str, str]], *, samples: int, temperature: float,
@@ -482,20 +526,33 @@ def broadcast_snapshot(snap: dict[str, torch.Tensor], src: int, group) -> None:
             t.copy_(buf)
 
 
-def save_hf(policy: Policy, path: str, tokenizer=None) -> None:
-    """gather the full weights on rank 0 and write an HF folder that from_pretrained / vLLM
-    load (safetensors, in the dtype of the checkpoint the policy started from), replacing `path`
-    in one rename (data.publish). All ranks call."""
+def save_hf(policy: Policy, path: str, tokenizer=None, version: int = 0, extra: dict | None = None) -> None:
+    """Gather the full weights on rank 0 and write an HF folder that from_pretrained / vLLM load
+    (safetensors, in the dtype of the checkpoint the policy started from), with `extra` json files.
+    It is written as path.v<version>/, then `path`, a symbolic link, is switched to it in one
+    os.replace: a reader finds the old folder or the new one, never none. All ranks call."""
     _reshard(policy.model)
     sd = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True,
                                                                      cpu_offload=True))
     if dist.get_rank() == 0:
-        sd = {k: v.to(policy.save_dtype) for k, v in sd.items()}
-        shutil.rmtree(path + ".tmp", ignore_errors=True)
-        policy.model.save_pretrained(path + ".tmp", state_dict=sd)
+        target = f"{path}.v{version}"
+        for d in (target + ".tmp", target):
+            shutil.rmtree(d, ignore_errors=True)
+        policy.model.save_pretrained(target + ".tmp", state_dict={k: v.to(policy.save_dtype) for k, v in sd.items()})
         if tokenizer is not None:
-            tokenizer.save_pretrained(path + ".tmp")
-        data.publish(path + ".tmp", path)
+            tokenizer.save_pretrained(target + ".tmp")
+        for name, obj in (extra or {}).items():
+            data.write_json(os.path.join(target + ".tmp", name), obj)
+        os.rename(target + ".tmp", target)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)   # a plain folder, as earlier versions wrote
+        if os.path.lexists(path + ".link"):
+            os.remove(path + ".link")
+        os.symlink(os.path.basename(target), path + ".link")
+        os.replace(path + ".link", path)
+        for old in glob.glob(glob.escape(path) + ".v*"):
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
 
 
@@ -531,15 +588,17 @@ def load_state(policy: Policy, path: str, optimizer: bool = True) -> None:
 # appears in one rename, so a folder under that name is complete
 
 def ckpt_dirs(out: str) -> list[str]:
+    """the finished checkpoints, oldest first (not step-N.tmp, being written, nor step-N.damaged)"""
     root = os.path.join(out, "ckpt")
-    done = [d for d in os.listdir(root) if d.startswith("step-") and not d.endswith(".tmp")] if os.path.isdir(root) else []
+    done = [d for d in os.listdir(root) if re.fullmatch(r"step-\d+", d)] if os.path.isdir(root) else []
     return [os.path.join(root, d) for d in sorted(done, key=lambda d: int(d[5:]))]
 
 
 def save_checkpoint(out: str, step: int, policies: dict, state: dict, unchanged: tuple = ()) -> None:
     """out/ckpt/step-N: save_state of each policy (name: (policy, with optimizer state?)) and
-    state.json; older checkpoints go. A policy named in `unchanged` holds the same state as in the
-    previous checkpoint: its files are hard-linked from there, not written again. All ranks call."""
+    state.json, which also lists every file's size (resume checks them); the newest KEEP_CKPTS stay.
+    A policy named in `unchanged` holds the same state as in the previous checkpoint: its files are
+    hard-linked from there, not written again. All ranks call."""
     final, prev = os.path.join(out, "ckpt", f"step-{step}"), (ckpt_dirs(out) or [None])[-1]
     tmp = final + ".tmp"
     linked = [n for n in unchanged if prev and os.path.isdir(os.path.join(prev, n))]   # the same on every rank
@@ -553,17 +612,46 @@ def save_checkpoint(out: str, step: int, policies: dict, state: dict, unchanged:
         if name not in linked:
             save_state(policy, os.path.join(tmp, name), optimizer)
     if dist.get_rank() == 0:
-        data.write_json(os.path.join(tmp, "state.json"), state)
+        files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
+                 for d, _, fs in os.walk(tmp) for f in fs}
+        data.write_json(os.path.join(tmp, "state.json"), {**state, "files": files})
         os.rename(tmp, final)
-        for old in ckpt_dirs(out)[:-1]:
+        for old in ckpt_dirs(out)[:-KEEP_CKPTS]:
             shutil.rmtree(old)
     dist.barrier()
 
 
+def _damage(ckpt: str) -> str | None:
+    """what is wrong with a checkpoint folder (a missing or truncated file), or None"""
+    try:
+        with open(os.path.join(ckpt, "state.json")) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"{os.path.join(ckpt, 'state.json')} is unreadable ({e})"
+    for rel, size in files.items():
+        path = os.path.join(ckpt, rel)
+        if not os.path.exists(path) or os.path.getsize(path) != size:
+            return f"{path} is {'missing' if not os.path.exists(path) else f'{os.path.getsize(path)} bytes'}, " \
+                   f"{size} bytes were written"
+    return None
+
+
 def resume(out: str, config: dict, may_change: set) -> tuple[str, dict] | tuple[None, None]:
-    """(folder, state without its config) of the newest checkpoint in out, or (None, None). Refuses one whose saved
-    config differs from `config` in a setting outside may_change: continuing it would mix runs."""
-    ckpts = ckpt_dirs(out)
+    """(folder, state without its config) of the newest sound checkpoint in out, or (None, None). A
+    damaged one (a file missing or cut short) is reported and the one before it is used. Refuses a
+    checkpoint whose saved config differs from `config` in a setting outside may_change: continuing
+    it would mix runs."""
+    ckpts, damaged = ckpt_dirs(out), []
+    while ckpts and (damage := _damage(ckpts[-1])):
+        damaged.append(damage)
+        bad = ckpts.pop()
+        dist.barrier()   # every rank has looked before rank 0 moves it aside (kept, for a post-mortem)
+        if dist.get_rank() == 0:
+            os.rename(bad, bad + ".damaged")
+            if ckpts:
+                print(f"resume: {damage}; resuming from {ckpts[-1]} instead", file=sys.stderr, flush=True)
+    if damaged and not ckpts:
+        raise RuntimeError(f"no sound checkpoint in {out}/ckpt ({'; '.join(damaged)}); move it away to start over")
     if not ckpts:
         return None, None
     with open(os.path.join(ckpts[-1], "state.json")) as f:
@@ -572,7 +660,7 @@ def resume(out: str, config: dict, may_change: set) -> tuple[str, dict] | tuple[
     if diff:
         raise ValueError(f"{ckpts[-1]} was written with other settings (saved, now): {diff}; "
                          f"use another --out or the same settings")
-    return ckpts[-1], {k: v for k, v in state.items() if k != "config"}
+    return ckpts[-1], {k: v for k, v in state.items() if k not in ("config", "files")}
 
 
 # -----------------------------------------------------------------------------
@@ -584,7 +672,7 @@ def seed_of(seed: int, *keys) -> int:
 
 
 TIMES = defaultdict(float)   # seconds per key since the caller last cleared it
-TOKENS = defaultdict(int)    # "generated/<key>", "trained/<key>": this rank's tokens per timer key
+COUNTS = defaultdict(int)    # this rank's "generated/<key>", "trained/<key>" tokens, "skipped_updates/<key>"
 _open = []                   # [key, seconds spent in nested blocks] of the open timed() blocks
 
 
@@ -608,9 +696,21 @@ def peak_flops() -> float | None:
     return next((1e12 * v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def count_tokens(kind: str, n: int) -> None:
-    """n tokens generated or trained on this rank, booked under the innermost open timer"""
-    TOKENS[f"{kind}/{_open[-1][0] if _open else 'other'}"] += n
+def count(kind: str, n: int = 1) -> None:
+    """n (tokens generated or trained, updates skipped) on this rank, booked under the innermost open timer"""
+    COUNTS[f"{kind}/{_open[-1][0] if _open else 'other'}"] += n
+
+
+def gather_counts() -> dict:
+    """The counts since the last call, summed over all ranks: grading_timeouts, grading_errors
+    (data.GRADING_FAULTS), skipped_updates, tokens/generated/<timer key>, tokens/trained/<timer key>"""
+    total = defaultdict(int)
+    for part in all_gather({**COUNTS, **data.GRADING_FAULTS}):
+        for k, v in part.items():
+            total[k.split("/")[0] if k.startswith("skipped_updates/") or k in data.GRADING_FAULTS else "tokens/" + k] += v
+    COUNTS.clear()
+    data.GRADING_FAULTS.update(dict.fromkeys(data.GRADING_FAULTS, 0))
+    return dict(sorted(total.items()))
 
 
 def config_parser(cls, preset: dict, **kwargs) -> argparse.ArgumentParser:

@@ -153,7 +153,6 @@ def main(cfg: Config):
                disable=rank != 0, desc="SOAR", dynamic_ncols=True)
     for step in bar:
         rloo.TIMES.clear()
-        rloo.TOKENS.clear()
         t_step = time.perf_counter()
         S = inner_steps(cfg, state["promotions"])
         # 1-2. the teacher samples g*n valid pairs (rejection sampling), split in order into X_1..X_g
@@ -188,8 +187,6 @@ def main(cfg: Config):
             theta = promote(cfg, run, chosen, snaps, theta)
             state["promotions"] += 1
             state["pq"] += n
-            if rank == 0:
-                data.append_jsonl(pq_path, [{"question": q, "answer": a, "step": step} for q, a in datasets[chosen[0]]])
         del snaps
         # 8. teacher RLOO update: every completion of X_k gets A_k
         with rloo.timed("teacher_update"):
@@ -203,8 +200,9 @@ def main(cfg: Config):
                    promotions=state["promotions"], inner_steps=S, teacher_valid_rate=len(kept) / sampled,
                    teacher_samples=sampled, teacher_loss=stats["loss"], teacher_kl=stats["kl"], snapshots=held,
                    **{k: round(v, 3) for k, v in rloo.TIMES.items()}, total=round(time.perf_counter() - t_step, 3))
-        row.update(throughput(cfg, run))
-        commit_step(cfg, run, state, theta, row, promoted=bool(chosen))
+        row.update(counts(cfg, run))
+        pq_rows = [{"question": q, "answer": a, "step": step} for q, a in datasets[chosen[0]]] if chosen else []
+        commit_step(cfg, run, state, theta, {"metrics.jsonl": [row], "pq.jsonl": pq_rows}, promoted=bool(chosen))
         if rank == 0:
             bar.write(f"step {step + 1}/{cfg.outer_steps}  reward {reward:+.3f}  MA {'-' if ma is None else f'{ma:+.3f}'}"
                       f"  promotions {state['promotions']}  valid {len(kept) / sampled:.0%}  {row['total']:.0f} s")
@@ -299,18 +297,47 @@ class Run:
     n_params: int
 
 
+def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
+    """What in the settings cannot work, each naming its flag (METHOD.md "Scale layout" for the layout)."""
+    students = cfg.num_datasets * cfg.students
+    G = cfg.student_groups or max(d for d in range(1, world_size + 1) if world_size % d == 0 and d <= students)
+    return [msg for bad, msg in [
+        (cfg.num_datasets < 2, f"--num_datasets {cfg.num_datasets}: RLOO over datasets needs g >= 2"),
+        (cfg.dataset_size < 1, f"--dataset_size {cfg.dataset_size}: a dataset needs n >= 1 pairs"),
+        (cfg.reward == "grounded" and cfg.students < 1, f"--students {cfg.students}: need r >= 1 per dataset"),
+        (not 1 <= cfg.qr_size <= n_hard, f"--qr_size {cfg.qr_size}: each step samples M={cfg.qr_size} questions "
+                                         f"from {cfg.train}, which has {n_hard}"),
+        (cfg.window < 1, f"--window {cfg.window}: the moving average needs at least 1 step"),
+        (cfg.inner_steps < 1, f"--inner_steps {cfg.inner_steps}: a student needs at least 1 step"),
+        (cfg.student_questions < 1, f"--student_questions {cfg.student_questions}: need at least 1"),
+        (cfg.student_samples < 2, f"--student_samples {cfg.student_samples}: RLOO needs at least 2 per question"),
+        (cfg.save_every < 1, f"--save_every {cfg.save_every}: need at least 1"),
+        (G > students, f"--student_groups {G}: more groups than the g*r = {students} students"),
+        (world_size % G, f"--student_groups {G} does not divide the {world_size} ranks"),
+        (cfg.micro_batch_tokens < seq_len, f"--micro_batch_tokens {cfg.micro_batch_tokens} is less than one "
+                                           f"sequence (prompt + completion: up to {seq_len} tokens)"),
+    ] if bad]
+
+
 def setup(cfg: Config) -> Run | None:
     rank, world_size, device = rloo.init_distributed()
     if not cfg.train:
         raise SystemExit("--train is required with --model: the hard train split (jsonl/parquet, question/answer)")
+    rloo.lock_folder(cfg.out)   # one run per folder
     hard = data.load_problems(cfg.train)
-    if len(hard) < cfg.qr_size:
-        raise SystemExit(f"{cfg.train} has {len(hard)} problems but each step samples M={cfg.qr_size} of them (--qr_size)")
-    if cfg.dataset_size < 1 or cfg.num_datasets < 2 or (cfg.reward == "grounded" and cfg.students < 1):
-        raise SystemExit("need g >= 2 (RLOO over datasets), n >= 1 and r >= 1")
-    os.makedirs(cfg.out, exist_ok=True)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    seq_len = rloo.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens, cfg.teacher_max_tokens)
+    if problems := check(cfg, world_size, len(hard), seq_len):
+        raise SystemExit("soar.py: these settings cannot work:\n  " + "\n  ".join(problems))
     ckpt, state = rloo.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
-    state = state or dict(step=0, history=[], promotions=0, pq=0)
+    state = state or dict(step=0, history=[], promotions=0, pq=0, rows={})
+    if rank == 0:   # the files hold exactly the committed steps: later rows go, the last step's come back
+        for name in ("metrics.jsonl", "pq.jsonl"):   # (so an empty pq.jsonl exists before any promotion)
+            path, rows = os.path.join(cfg.out, name), state["rows"].get(name, [])
+            data.truncate_jsonl(path, state["step"])
+            if rows and not any(r["step"] == rows[0]["step"] for r in data.read_jsonl(path)):
+                data.append_jsonl(path, rows)   # committed, then killed before they were appended
     if state["step"] >= cfg.outer_steps:
         if rank == 0:
             print(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
@@ -318,15 +345,10 @@ def setup(cfg: Config) -> Run | None:
 
     G = cfg.student_groups or max(d for d in range(1, world_size + 1)
                                   if world_size % d == 0 and d <= cfg.num_datasets * cfg.students)
-    if world_size % G:
-        raise SystemExit(f"--student_groups {G} does not divide the {world_size} ranks")
     mesh = init_device_mesh(device.type, (G, world_size // G), mesh_dim_names=("group", "fsdp"))
     teacher_mesh = init_device_mesh(device.type, (world_size,))
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(cfg.model)
     llm = rloo.build_engine(cfg.model, seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            max_model_len=rloo.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
-                                                          cfg.teacher_max_tokens))
+                            max_model_len=seq_len)
     teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr, warmup_steps=cfg.teacher_warmup,
                                total_steps=cfg.outer_steps, kl_coef=cfg.kl_coef,
                                activation_checkpointing=cfg.activation_checkpointing)
@@ -336,9 +358,7 @@ def setup(cfg: Config) -> Run | None:
         rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
         rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta: weights only
     n_params = sum(p.numel() for p in teacher.model.parameters())
-    if rank == 0:   # rows of steps no checkpoint covers go
-        data.truncate_jsonl(os.path.join(cfg.out, "metrics.jsonl"), state["step"])
-        data.truncate_jsonl(os.path.join(cfg.out, "pq.jsonl"), state["step"])
+    if rank == 0:
         hf = n_params * teacher.save_dtype.itemsize / 1e9
         print(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model {cfg.model} "
               f"({n_params / 1e9:.2f} B parameters); out {cfg.out}; {'resuming at' if ckpt else 'starting at'} step "
@@ -348,42 +368,40 @@ def setup(cfg: Config) -> Run | None:
     return Run(mesh, tok, llm, teacher, student, rloo.snapshot(student), hard, state, n_params)
 
 
-def throughput(cfg: Config, run: Run) -> dict:
-    """The step's tokens generated and trained per phase (all ranks), tokens/s per GPU per phase and,
-    on a GPU we know the peak of, the MFU of the training phases: 6N FLOP per trained token, 8N
-    with the KL reference's forward (attention and recomputation not counted)."""
-    tokens, W, peak = {}, dist.get_world_size(), rloo.peak_flops()
-    for part in rloo.all_gather(dict(rloo.TOKENS)):
-        for k, v in part.items():
-            tokens[k] = tokens.get(k, 0) + v
-    row = {f"tokens/{k}": v for k, v in sorted(tokens.items())}
-    for phase in sorted({k.split("/")[1] for k in tokens}):
-        n, secs = sum(v for k, v in tokens.items() if k.endswith("/" + phase)), rloo.TIMES[phase]
+def counts(cfg: Config, run: Run) -> dict:
+    """The step's counts over all ranks: grading faults, skipped updates, tokens generated and trained
+    per phase; tokens/s per GPU per phase and, on a GPU we know the peak of, the MFU of the training
+    phases: 6N FLOP per trained token, 8N with the KL reference's forward (attention and
+    recomputation not counted)."""
+    row, W, peak = {"skipped_updates": 0, **rloo.gather_counts()}, dist.get_world_size(), rloo.peak_flops()
+    for phase in sorted({k.split("/")[2] for k in row if k.startswith("tokens/")}):
+        n, secs = sum(v for k, v in row.items() if k.startswith("tokens/") and k.endswith("/" + phase)), rloo.TIMES[phase]
         row[f"perf/tokens_per_s_per_gpu/{phase}"] = round(n / max(secs, 1e-9) / W, 1)
-        if peak and f"trained/{phase}" in tokens:
-            flops = (6 + 2 * (cfg.kl_coef > 0)) * run.n_params * tokens[f"trained/{phase}"]
+        if peak and f"tokens/trained/{phase}" in row:
+            flops = (6 + 2 * (cfg.kl_coef > 0)) * run.n_params * row[f"tokens/trained/{phase}"]
             row[f"perf/mfu/{phase}"] = round(flops / max(secs, 1e-9) / (W * peak), 4)
     return row
 
 
-def commit_step(cfg: Config, run: Run, state: dict, theta, row: dict, promoted: bool) -> None:
-    """The metrics row, then the checkpoint that commits the step (a resume drops rows of steps no
-    checkpoint covers), then, every save_every steps and at the end, the HF folders teacher/ and
-    student/ (never ahead of the checkpoint; student/ only when theta changed since it was written)."""
-    if dist.get_rank() == 0:
-        data.append_jsonl(os.path.join(cfg.out, "metrics.jsonl"), [row])
+def commit_step(cfg: Config, run: Run, state: dict, theta, rows: dict, promoted: bool) -> None:
+    """Nothing in --out gets ahead of the checkpoint: first the checkpoint, which commits the step and
+    holds its new metrics and PQ rows; then those rows go into metrics.jsonl and pq.jsonl (a resume
+    puts back any a kill left out); then, every save_every steps and at the end, the HF folders
+    teacher/ and student/ (student/ only when theta changed since it was written)."""
+    state["rows"] = rows
     rloo.restore(run.student, theta)   # the checkpoint and outputs hold the baseline, not the last student trained
     rloo.save_checkpoint(cfg.out, state["step"], {"teacher": (run.teacher, True), "student": (run.student, False)},
                          {**state, "config": dataclasses.asdict(cfg)}, unchanged=() if promoted else ("student",))
+    if dist.get_rank() == 0:
+        for name, new in rows.items():
+            data.append_jsonl(os.path.join(cfg.out, name), new)
     if state["step"] % cfg.save_every and state["step"] < cfg.outer_steps:
         return
-    rloo.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok)
-    marker = os.path.join(cfg.out, "student", "soar.jsonl")   # which theta student/ holds
-    written = data.read_jsonl(marker)
-    if not written or written[0]["promotions"] != state["promotions"]:
-        rloo.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok)
-        if dist.get_rank() == 0:
-            data.write_jsonl(marker, [{"step": state["step"], "promotions": state["promotions"]}])
+    tag = {"step": state["step"], "promotions": state["promotions"]}   # soar.json: what the folder holds
+    rloo.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok, state["step"], {"soar.json": tag})
+    marker = os.path.join(cfg.out, "student", "soar.json")
+    if not os.path.exists(marker) or data.read_json(marker)["promotions"] != state["promotions"]:
+        rloo.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok, state["step"], {"soar.json": tag})
 
 
 if __name__ == "__main__":

@@ -152,6 +152,7 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, easy: tuple, s
     import torch.distributed as dist
     import torch.nn.functional as F
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    data.die_with_parent()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -373,7 +374,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # build_world's child
     a = p.parse_args()
-    if a.here:
+    if a.here:   # build_world's child: it must not outlive the process that waits for it
+        data.die_with_parent()
         return _build_here(a.out, a.small, a.seed)
     paths = build_world(a.out, a.small, a.seed)
     with open(paths["stats"]) as f:

@@ -226,6 +226,19 @@ def main(out, base, ref):
     res["unchanged"] = [k for k, v in rloo.snapshot(pol).items() if torch.equal(v, snap_l[k])]
 
     tick("learning")
+    # --- a non-finite loss skips its update (weights unchanged); MAX_NONFINITE in a row stop the run
+    before = rloo.snapshot(pol)
+    nan = [float("nan")] * (hi - lo)
+    res["nan_skipped"] = rloo.train_step(pol, prompts[lo:hi], comps[lo:hi], nan)["skipped"]
+    res["nan_unchanged"] = all(torch.equal(v, before[k]) for k, v in rloo.snapshot(pol).items())
+    res["finite_after"] = not rloo.train_step(pol, prompts[lo:hi], comps[lo:hi], adv[lo:hi])["skipped"]
+    try:
+        for _ in range(rloo.MAX_NONFINITE):
+            rloo.train_step(pol, prompts[lo:hi], comps[lo:hi], nan)
+        res["nan_error"] = None
+    except RuntimeError as e:
+        res["nan_error"] = str(e)
+
     # --- promotion: broadcast one student group's shards to the other groups (2-D mesh)
     mesh2d = init_device_mesh("cpu", (world, 1), mesh_dim_names=("group", "fsdp"))
     st = rloo.load_policy(base, mesh2d["fsdp"], lr=1e-3, warmup_steps=0, total_steps=10, kl_coef=0.0)

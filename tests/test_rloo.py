@@ -126,6 +126,12 @@ def test_snapshot_restore_checkpoints(runs):
     assert runs["one"]["hf_ok"] and runs["two"][0]["hf_ok"]
 
 
+def test_non_finite_updates_are_skipped_then_stop_the_run(runs):
+    for r in [runs["one"], *runs["two"]]:
+        assert r["nan_skipped"] and r["nan_unchanged"] and r["finite_after"]
+        assert "non-finite loss" in r["nan_error"] and "3 updates in a row" in r["nan_error"]
+
+
 def test_broadcast_snapshot(runs):
     r0, r1 = runs["two"]
     before0, before1 = r0["student_before"], r1["student_before"]

@@ -69,6 +69,17 @@ def test_can_promote_only_when_the_window_can_pass_tau():
     assert not soar.can_promote(Config(window=1, reward="learnability"), [0.5])
 
 
+def test_settings_that_cannot_work_are_named_by_flag():
+    ok = Config(train="t.jsonl")
+    assert soar.check(ok, world_size=32, n_hard=359, seq_len=1200) == []
+    bad = Config(train="t.jsonl", window=0, qr_size=400, student_groups=3, student_samples=1, micro_batch_tokens=512)
+    problems = " | ".join(soar.check(bad, world_size=32, n_hard=359, seq_len=1200))
+    for flag in ("--window 0", "--qr_size 400", "--student_groups 3 does not divide the 32 ranks", "--student_samples 1",
+                 "--micro_batch_tokens 512 is less than one sequence (prompt + completion: up to 1200 tokens)"):
+        assert flag in problems
+    assert "more groups than the g*r = 16 students" in soar.check(Config(train="t", student_groups=32), 32, 359, 1)[0]
+
+
 def test_learnability_reward():
     assert learnability([0.0, 0.25, 1.0, 0.5]) == pytest.approx((0 + 0.75 + 0 + 0.5) / 4)
 

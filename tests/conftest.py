@@ -1,0 +1,17 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from soar_runs import soar  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def full_run(tmp_path_factory):
+    """the reference: an uninterrupted SOAR run (soar_runs.FLAGS), for the outputs test and as what
+    every interrupted run must end up equal to"""
+    out = tmp_path_factory.mktemp("soar") / "a"
+    p = soar(out)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out, p

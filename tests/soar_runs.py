@@ -1,0 +1,81 @@
+"""Helpers of the end-to-end tests: soar.py under torchrun with 2 ranks on the small built-in world,
+reading what it wrote, and killing what it started."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# g = 2, r = 2: four students over two groups of one rank; small everything else
+FLAGS = ["--world", "small", "--outer_steps", "3", "--num_datasets", "2", "--students", "2", "--dataset_size", "4",
+         "--qr_size", "8", "--window", "1", "--tau", "-1", "--inner_steps", "2", "--inner_step_inc", "1",
+         "--student_questions", "2", "--student_samples", "4"]
+TIMING = {"teacher_generation", "student_rollouts", "student_training", "evaluation", "teacher_update", "sync",
+          "total"}
+
+
+def soar(out, *extra, wait=True):
+    """soar.py FLAGS extra on `out`: run to the end (a CompletedProcess), or started (a Popen whose pid
+    is torchrun's, in a session of its own)"""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "soar.py"), "--out", str(out), *FLAGS, *extra]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def rows(path):
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def without_timing(metrics):
+    return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("perf/")} for r in metrics]
+
+
+def dcp_keys(path):
+    from torch.distributed.checkpoint import FileSystemReader
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def descendants(pid) -> list[int]:
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                for child in map(int, f.read().split()):
+                    out += [child] + descendants(child)
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def alive(pid) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"   # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def kill_all(p) -> None:
+    """SIGKILL every process of a run started by soar(wait=False): torchrun and all it started"""
+    for pid in descendants(p.pid)[::-1] + [p.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait()
+
+
+def wait_for(path, p, timeout=600, delay=0.0):
+    """until `path` exists (then `delay` seconds more) while the run `p` is alive"""
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        assert p.poll() is None, f"the run ended before {path} appeared:\n" + p.stdout.read()[-3000:]
+        assert time.time() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.05)
+    time.sleep(delay)
