@@ -48,6 +48,7 @@ class Config:
     soar: str = "runs/soar"     # a soar.py --out folder: pq.jsonl, student/, teacher/, metrics.jsonl
     teacher: str = ""           # teacher HF folder for grounded-t; "" = <soar>/teacher
     intrinsic: str = ""         # the --out folder of a `soar.py --reward learnability` run (intrinsic-t)
+    opensir: str = ""           # the --out folder of a `soar.py --reward opensir` run (opensir-t)
     extra: str = ""             # curated real questions for the upper-bound rows (e.g. MATH train)
     synthetic: str = ""         # `train`: the question set to add to the hard train split
     name: str = ""              # `train`: the method name (run folder and report row)
@@ -61,6 +62,8 @@ class Config:
     split_seed: int = 0         # seed of the 50/50 train/test split
     # ---- fresh students (METHOD.md "Hyperparameters", "Evaluation protocol") ----
     mode: str = "mixed"         # mixed (HARP, Olympiad) or curriculum (MATH): how synthetic and real combine
+    sampler: str = "uniform"    # uniform (shuffled epochs) or leeps: how a fresh student's questions are chosen
+    sept_temperature: float = 0.7   # SePT: the temperature it samples its own training answers at
     student_steps: int = 1500   # at most; the early-stopping rule usually ends a run before
     switch_step: int = 64       # curriculum: synthetic only for this many steps, then real only
     student_warmup: int = 20    # lr warmup of mixed runs; curriculum runs use 0
@@ -91,6 +94,8 @@ class Config:
 
 
 KS = (1, 4, 8, 16, 32)
+LEEPS_WINDOW = 20       # steps over which each portfolio's share of non-trivial groups is measured
+LEEPS_NEIGHBOURS = 8    # nearest neighbours whose outcomes rank an explore question
 # settings a resumed fresh-student run may change without invalidating its checkpoint
 MAY_CHANGE = {"runs", "out", "seeds", "ckpt_every", "micro_batch_tokens", "activation_checkpointing",
               "gpu_memory_utilization"}
@@ -105,6 +110,8 @@ ROWS = {
     "pq": "fresh student on SOAR's promotion questions (<soar>/pq.jsonl) + hard train",
     "ps": "SOAR's promoted student (<soar>/student), inference only",
     "grounded-t": "fresh student on 128 questions of SOAR's teacher (<soar>/teacher) + hard train",
+    "opensir-t": "fresh student on 128 questions of the OpenSIR-style teacher (<opensir>/teacher) + hard train",
+    "sept": "fresh student, SePT: NLL on its own answers to the hard train split, no reward",
     "upper-128": "fresh student on 128 questions of --extra + hard train",
     "upper": "fresh student on all of --extra (e.g. MATH train) + hard train",
 }
@@ -117,8 +124,8 @@ def parse_args(argv=None) -> tuple[str, list[str], Config]:
     p.add_argument("args", nargs="*", help="filter: pools; row: methods; sample-teacher: a teacher; vendi: files")
     a = vars(p.parse_args(argv))
     command, args, cfg = a["command"], a["args"], rloo.config_from(Config, a, world.PRESET)
-    if cfg.mode not in ("mixed", "curriculum"):
-        p.error(f"--mode must be mixed or curriculum, not {cfg.mode!r}")
+    if cfg.mode not in ("mixed", "curriculum") or cfg.sampler not in ("uniform", "leeps"):
+        p.error(f"--mode must be mixed or curriculum and --sampler uniform or leeps, not {cfg.mode!r}, {cfg.sampler!r}")
     if command == "row" and (not args or set(args) - set(ROWS)):
         p.error(f"row needs methods out of: {', '.join(ROWS)}")
     if command == "train" and not (cfg.synthetic and cfg.name) or cfg.name in ROWS:
@@ -194,23 +201,53 @@ def finished(rewards: list[float], step: int, cfg: Config, offset: int = 0) -> b
     return stop is not None and step >= stop + offset + cfg.es_average
 
 
-def batch_at(step: int, synthetic: list[dict], real: list[dict], cfg: Config, seed: int) -> tuple[str, list[dict]]:
-    """The questions of training step `step`, a pure function of (seed, step), so a resumed run
-    replays exactly. mixed: one pool (synthetic + real) walked in a fresh shuffle each epoch;
-    curriculum: synthetic for the first switch_step steps, then real (METHOD.md "Evaluation protocol")."""
+def batch_at(step: int, synthetic: list[dict], real: list[dict], cfg: Config, seed: int):
+    """(source, pool, indices): the pool of training step `step` and, for the uniform sampler, its
+    questions, a pure function of (seed, step), so a resumed run replays exactly. mixed: one pool
+    (synthetic + real) walked in a fresh shuffle each epoch; curriculum: synthetic for the first
+    switch_step steps, then real (METHOD.md "Evaluation protocol")."""
     if cfg.mode == "curriculum" and step < cfg.switch_step:
         source, pool, i = "synthetic", synthetic, step
     elif cfg.mode == "curriculum":
         source, pool, i = "real", real, step - cfg.switch_step
     else:
         source, pool, i = "mixed", synthetic + real, step
-    batch = []
+    idx = []
     for pos in range(i * cfg.student_questions, (i + 1) * cfg.student_questions):
         epoch, j = divmod(pos, len(pool))
         order = list(range(len(pool)))
         random.Random(f"{seed}/{source}/{epoch}").shuffle(order)
-        batch.append(pool[order[j]])
-    return source, batch
+        idx.append(order[j])
+    return source, pool, idx
+
+
+def leeps(n: int, emb: np.ndarray, history: list[dict], size: int, rng: random.Random):
+    """LEEPS (METHOD.md "LEEPS"): `size` of the pool's n questions and each one's portfolio. exploit:
+    the questions whose latest group had non-zero reward variance, least recently drawn first;
+    explore: the others, most promising first by their LEEPS_NEIGHBOURS nearest drawn neighbours'
+    (cosine of the rows of `emb`) similarity-weighted share of such groups. The budget is split by each portfolio's share of such
+    groups over the last LEEPS_WINDOW steps. history: earlier steps' questions, portfolio, nontrivial."""
+    last, when = {}, {}
+    for s, h in enumerate(history):
+        for i, nt in zip(h["questions"], h["nontrivial"]):
+            last[i], when[i] = nt, s
+    recent = [(p, nt) for h in history[-LEEPS_WINDOW:] for p, nt in zip(h["portfolio"], h["nontrivial"])]
+    ratio = {p: (sum(nt for q, nt in recent if q == p) + 1) / (sum(q == p for q, _ in recent) + 2)
+             for p in ("exploit", "explore")}
+    exploit = sorted((i for i, nt in last.items() if nt), key=lambda i: (when[i], rng.random()))
+    exploit = exploit[:round(size * ratio["exploit"] / (ratio["exploit"] + ratio["explore"]))]
+    explore = [i for i in range(n) if not last.get(i)]
+    seen = sorted(last)
+    if seen and explore:   # the similarity-weighted, Laplace-smoothed share of the neighbours' non-trivial groups
+        sim = np.maximum(emb[explore] @ emb[seen].T, 0)
+        near = np.argsort(-sim, axis=1)[:, :LEEPS_NEIGHBOURS]
+        w, outcome = np.take_along_axis(sim, near, 1), np.array([last[i] for i in seen], dtype=float)[near]
+        promise = ((w * outcome).sum(1) + 1) / (w.sum(1) + 2)
+    else:
+        promise = np.full(len(explore), 0.5)
+    explore = [i for _, _, i in sorted(zip(-promise, [rng.random() for _ in explore], explore))]
+    chosen = (exploit + explore)[:size]
+    return chosen, ["exploit"] * len(exploit[:size]) + ["explore"] * (len(chosen) - len(exploit[:size]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,16 +291,18 @@ def inference_run(cfg: Config, seed: int, method: str, path: str, llm, mesh, tes
 
 def train_run(cfg: Config, seed: int, method: str, synthetic, real, test, llm, mesh, out: str) -> dict:
     """A fresh student from the base model, RLOO on synthetic + real (METHOD.md "Evaluation protocol"),
-    test pass@k every eval_every steps, until the early-stopping rule (or --fixed_step, or
-    --student_steps) says the row's number is known. Resumable from out/ckpt; writes out/result.json."""
+    or SePT's reward-free step (method "sept"), on questions --sampler picks, test pass@k every
+    eval_every steps, until the early-stopping rule (or --fixed_step, or --student_steps) says the
+    row's number is known. Resumable from out/ckpt; writes out/result.json."""
     # without a synthetic set (hard-only) there is nothing to put first: mixed, i.e. the hard split alone
     cfg = dataclasses.replace(cfg, student_samples=cfg.big_group if method == "hard-only-128" else cfg.student_samples,
                               mode=cfg.mode if synthetic else "mixed")
     warmup = 0 if cfg.mode == "curriculum" else cfg.student_warmup
     offset = cfg.switch_step if cfg.mode == "curriculum" else 0   # the rule watches the real-only phase
     config, rank = {**dataclasses.asdict(cfg), "seed": seed, "method": method}, dist.get_rank()
+    sept = method == "sept"   # plain NLL on its own samples: no reward, no KL (METHOD.md "SePT")
     policy = rloo.load_policy(cfg.model, mesh, lr=cfg.student_lr, warmup_steps=warmup, total_steps=cfg.student_steps,
-                              kl_coef=cfg.kl_coef, activation_checkpointing=cfg.activation_checkpointing)
+                              kl_coef=0.0 if sept else cfg.kl_coef, activation_checkpointing=cfg.activation_checkpointing)
     metrics_path, evals_path = os.path.join(out, "metrics.jsonl"), os.path.join(out, "evals.jsonl")
     ckpt, state = rloo.resume(out, config, MAY_CHANGE)
     if ckpt:
@@ -277,8 +316,8 @@ def train_run(cfg: Config, seed: int, method: str, synthetic, real, test, llm, m
               f"group {cfg.student_samples}; {'resuming at' if start else 'starting at'} step {start} -> {out}",
               flush=True)
     dist.barrier()
-    rewards = [m["reward"] for m in data.read_jsonl(metrics_path)]
-    evals = data.read_jsonl(evals_path)
+    metrics, evals, emb = data.read_jsonl(metrics_path), data.read_jsonl(evals_path), {}
+    rewards = [m["reward"] for m in metrics]
     step = start
     with tqdm(total=cfg.student_steps, initial=start, disable=rank != 0, desc=method, dynamic_ncols=True) as bar:
         while True:
@@ -289,24 +328,37 @@ def train_run(cfg: Config, seed: int, method: str, synthetic, real, test, llm, m
                     data.append_jsonl(evals_path, [evals[-1]])
             if step >= cfg.student_steps or finished(rewards, step, cfg, offset):
                 break
-            source, batch = batch_at(step, synthetic, real, cfg, seed)
             t0 = time.perf_counter()
-            stats = rloo.student_step(policy, llm, [(q["question"], q["answer"]) for q in batch],
-                                      samples=cfg.student_samples, temperature=cfg.temperature,
-                                      max_tokens=cfg.student_max_tokens, seed=rloo.seed_of(seed, "student", step),
-                                      group=dist.group.WORLD, micro_batch_tokens=cfg.micro_batch_tokens)
+            rloo.reset_counts()   # this step's counts only (not the evaluation's, nor another run's)
+            source, pool, idx = batch_at(step, synthetic, real, cfg, seed)
+            portfolio = None
+            if cfg.sampler == "leeps":   # its history: the metrics rows of earlier steps on this pool
+                emb.setdefault(source, data.embed_ngram([q["question"] for q in pool]))
+                idx, portfolio = leeps(len(pool), emb[source], [m for m in metrics if m["source"] == source],
+                                       cfg.student_questions, random.Random(f"{seed}/leeps/{step}"))
+            sampler_s = time.perf_counter() - t0
+            stats = rloo.student_step(policy, llm, [(pool[i]["question"], pool[i]["answer"]) for i in idx],
+                                      samples=cfg.student_samples, temperature=cfg.sept_temperature if sept else
+                                      cfg.temperature, max_tokens=cfg.student_max_tokens, sept=sept,
+                                      seed=rloo.seed_of(seed, "student", step), group=dist.group.WORLD,
+                                      micro_batch_tokens=cfg.micro_batch_tokens)
             rewards.append(stats["reward"])
-            row = {"step": step, "source": source, **stats, "skipped_updates": 0, **rloo.gather_counts(),
-                   "seconds": round(time.perf_counter() - t0, 3)}
+            metrics.append({"step": step, "source": source, "questions": idx, "portfolio": portfolio, **stats,
+                            "nontrivial_share": statistics.fmean(stats["nontrivial"]), "skipped_updates": 0,
+                            **rloo.gather_counts(), "sampler_seconds": round(sampler_s, 4),
+                            "seconds": round(time.perf_counter() - t0, 3)})
             if rank == 0:
-                data.append_jsonl(metrics_path, [row])
+                data.append_jsonl(metrics_path, metrics[-1:])
             step += 1
             bar.update(1)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", acc=f"{stats['accuracy']:.3f}")
             if step % cfg.ckpt_every == 0:
                 rloo.save_checkpoint(out, step, {"policy": (policy, True)}, {"step": step, "config": config})
-    res = dict(method=method, test=cfg.test, seed=seed, mode=cfg.mode, samples=cfg.student_samples, steps_done=step,
-               n_synthetic=len(synthetic), n_real=len(real), **select(evals, rewards, cfg, offset))
+    res = dict(method=os.path.basename(os.path.dirname(out)), test=cfg.test, seed=seed, mode=cfg.mode,
+               samples=cfg.student_samples, steps_done=step,
+               n_synthetic=len(synthetic), n_real=len(real), sampler=cfg.sampler,
+               nontrivial_share=statistics.fmean(m["nontrivial_share"] for m in metrics) if metrics else None,
+               **select(evals, rewards, cfg, offset))
     if rank == 0:
         data.write_json(os.path.join(out, "result.json"), res)
         shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)  # optimizer state: GBs per run at scale
@@ -341,8 +393,14 @@ def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False):
     return mesh, tok, llm
 
 
+def run_dir(cfg: Config, method: str, seed: int) -> str:
+    """<runs>/<method>[+leeps]/seed<s>: "+leeps" marks a fresh student on the LEEPS sampler (the row's name too)"""
+    name = method + "+leeps" if cfg.sampler == "leeps" and method not in ("base", "ps") else method
+    return os.path.join(cfg.runs, name, f"seed{seed}")
+
+
 def done(cfg: Config, method: str, seed: int) -> bool:
-    return os.path.exists(os.path.join(cfg.runs, method, f"seed{seed}", "result.json"))
+    return os.path.exists(os.path.join(run_dir(cfg, method, seed), "result.json"))
 
 
 def cmd_row(cfg: Config, methods: list[str]) -> None:
@@ -354,7 +412,8 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
             print(f"{cfg.runs}: {', '.join(methods)} x seeds {cfg.seeds}: all finished already; nothing to do")
         return
     teachers = {"grounded-t": cfg.teacher or os.path.join(cfg.soar, "teacher"), "base-t": "",
-                "intrinsic-t": os.path.join(cfg.intrinsic, "teacher") if cfg.intrinsic else "--intrinsic"}
+                "intrinsic-t": os.path.join(cfg.intrinsic, "teacher") if cfg.intrinsic else "--intrinsic",
+                "opensir-t": os.path.join(cfg.opensir, "teacher") if cfg.opensir else "--opensir"}
     inputs = {**teachers, "pq": os.path.join(cfg.soar, "metrics.jsonl"), "ps": os.path.join(cfg.soar, "student"),
               "upper": cfg.extra or "--extra", "upper-128": cfg.extra or "--extra"}
     missing = {m: inputs[m] for m in methods if inputs.get(m) and not os.path.exists(inputs[m])}
@@ -379,7 +438,7 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
     say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
     for method in methods:
         for seed in seeds:
-            out = os.path.join(cfg.runs, method, f"seed{seed}")
+            out = run_dir(cfg, method, seed)
             rloo.lock_folder(out)   # one process per run folder
             if done(cfg, method, seed):
                 say(f"{out}: finished already")
@@ -481,14 +540,16 @@ def table(results: list[dict], test: str) -> list[str]:
     and the step the row's number comes from (early-stopping step, fixed step, or the last window)."""
     rs = [r for r in results if r["test"] == test]
     ks = sorted({k for r in rs for k in r["passk"]}, key=lambda k: int(k[5:]))
-    lines = [f"## pass@k (%) on `{test}`", "", "| method | " + " | ".join(ks) + " | seeds | step |",
-             "|---|" + "---|" * (len(ks) + 2)]
+    lines = [f"## pass@k (%) on `{test}`", "", "| method | " + " | ".join(ks) + " | seeds | step | non-trivial |",
+             "|---|" + "---|" * (len(ks) + 3)]
     for m in ordered({r["method"] for r in rs}):
         mr = [r for r in rs if r["method"] == m]
         cells = ["{:.1f} ± {:.1f}".format(*mean_std([100 * r["passk"][k] for r in mr if k in r["passk"]])) for k in ks]
         steps = [r["stop_step"] for r in mr if "stop_step" in r]
         step = f"{statistics.fmean(steps):.0f} ({mr[0]['rule']})" if steps else "-"
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {len(mr)} | {step} |")
+        shares = [100 * r["nontrivial_share"] for r in mr if r.get("nontrivial_share") is not None]
+        share = "{:.0f} ± {:.0f}%".format(*mean_std(shares)) if shares else "-"   # question groups with a reward signal
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {len(mr)} | {step} | {share} |")
     return lines + [""]
 
 

@@ -446,10 +446,12 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
 
 
 def student_step(policy: Policy, llm, batch: list[tuple[str, str]], *, samples: int, temperature: float,
-                 max_tokens: int, seed: int, group, micro_batch_tokens: int) -> dict:
+                 max_tokens: int, seed: int, group, micro_batch_tokens: int, sept: bool = False) -> dict:
     """One student RLOO step on (question, answer) pairs (METHOD.md "Inner loop"; also eval.py's fresh
     students): sync, sample `samples` per question on the group's engines, grade (METHOD.md "Rewards"),
-    leave-one-out advantages within each question, one update."""
+    leave-one-out advantages within each question, one update. `sept`: no reward in the loss, NLL on
+    the samples themselves (advantage 1 for every token; METHOD.md "SePT"); rewards are still graded,
+    for the curve the early-stopping rule reads. `nontrivial`: per question, did its rewards vary."""
     with timed("sync"):
         sync_weights(policy, llm)
     with timed("student_rollouts"):
@@ -457,11 +459,12 @@ def student_step(policy: Policy, llm, batch: list[tuple[str, str]], *, samples: 
                         max_tokens=max_tokens, seed=seed, group=group)
         flat = [(smp, a) for o, (_, a) in zip(outs, batch) for smp in o]
         rewards = grade([smp.text for smp, _ in flat], [a for _, a in flat], group)
-    adv = rloo_advantages(torch.tensor(rewards).view(len(batch), samples)).flatten().tolist()
+    table = torch.tensor(rewards).view(len(batch), samples)
+    adv = [1.0] * len(flat) if sept else rloo_advantages(table).flatten().tolist()
     rows = my_share([(smp, a) for (smp, _), a in zip(flat, adv)], group)
     stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows], [smp.token_ids for smp, _ in rows],
                        [a for _, a in rows], micro_batch_tokens=micro_batch_tokens)
-    return {**stats, "reward": sum(rewards) / len(rewards),
+    return {**stats, "reward": sum(rewards) / len(rewards), "nontrivial": (table.std(1) > 0).tolist(),
             "accuracy": sum(r == data.R_CORRECT for r in rewards) / len(rewards)}
 
 
@@ -701,15 +704,18 @@ def count(kind: str, n: int = 1) -> None:
     COUNTS[f"{kind}/{_open[-1][0] if _open else 'other'}"] += n
 
 
+def reset_counts() -> None:
+    COUNTS.clear()
+    data.GRADING_FAULTS.update(dict.fromkeys(data.GRADING_FAULTS, 0))
+
+
 def gather_counts() -> dict:
-    """The counts since the last call, summed over all ranks: grading_timeouts, grading_errors
+    """The counts since reset_counts, summed over all ranks: grading_timeouts, grading_errors
     (data.GRADING_FAULTS), skipped_updates, tokens/generated/<timer key>, tokens/trained/<timer key>"""
     total = defaultdict(int)
     for part in all_gather({**COUNTS, **data.GRADING_FAULTS}):
         for k, v in part.items():
             total[k.split("/")[0] if k.startswith("skipped_updates/") or k in data.GRADING_FAULTS else "tokens/" + k] += v
-    COUNTS.clear()
-    data.GRADING_FAULTS.update(dict.fromkeys(data.GRADING_FAULTS, 0))
     return dict(sorted(total.items()))
 
 

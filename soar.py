@@ -22,6 +22,7 @@ import os
 import random
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -49,8 +50,8 @@ class Config:
     qr_size: int = 64           # M = |Q_R|: hard train questions per step
     tau: float = 0.01           # promotion threshold on the moving average
     window: int = 3             # w: moving-average window
-    reward: str = "grounded"    # grounded (SOAR) or learnability (the Intrinsic-T baseline)
-    learnability_samples: int = 32  # Intrinsic-T: samples per question for its solve rate
+    reward: str = "grounded"    # grounded (SOAR), learnability (Intrinsic-T) or opensir (an OpenSIR-style teacher)
+    learnability_samples: int = 32  # learnability, opensir: samples per question for its solve rate
     max_rejection_rounds: int = 8   # teacher sampling rounds before giving up on g*n valid pairs
     # ---- inner loop (METHOD.md "Inner loop"): S = inner_steps + inner_step_inc * min(promotions, inner_step_cap) ----
     inner_steps: int = 10       # S before any promotion
@@ -75,6 +76,11 @@ class Config:
     save_every: int = 10        # write the HF folders teacher/ and student/ every this many steps and at the end
 
 
+# the OpenSIR-style teacher reward (METHOD.md "OpenSIR-style reward")
+OPENSIR_BAND = (0.1, 0.9)   # calibrated: the baseline student solves the question at a rate inside this band
+OPENSIR_DIVERSITY = 0.5     # weight of novelty, 1 - the highest cosine similarity to an archived question
+OPENSIR_ARCHIVE = 1024      # the teacher's latest valid questions (earlier steps) that novelty is measured against
+
 # settings a resumed run may change without invalidating its checkpoint
 MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpointing", "gpu_memory_utilization",
               "save_every"}
@@ -83,8 +89,8 @@ MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpoint
 def parse_args(argv=None) -> Config:
     p = rloo.config_parser(Config, world.PRESET, description=__doc__)
     cfg = rloo.config_from(Config, vars(p.parse_args(argv)), world.PRESET)
-    if cfg.reward not in ("grounded", "learnability"):
-        p.error(f"--reward must be grounded or learnability, not {cfg.reward!r}")
+    if cfg.reward not in ("grounded", "learnability", "opensir"):
+        p.error(f"--reward must be grounded, learnability or opensir, not {cfg.reward!r}")
     return cfg
 
 
@@ -139,6 +145,15 @@ def learnability(success_rates: list[float]) -> float:
     return sum(0.0 if s == 0 else 1.0 - s for s in success_rates) / len(success_rates)
 
 
+def opensir(success_rates: list[float], emb: np.ndarray, archive: np.ndarray) -> list[float]:
+    """Per question (METHOD.md "OpenSIR-style reward"): 1 if the baseline's solve rate s is inside
+    OPENSIR_BAND, plus OPENSIR_DIVERSITY * novelty: 1 - the highest cosine similarity of its embedding
+    (row of emb) to one of the archive's (1 while the archive is empty)."""
+    novelty = 1 - (emb @ archive.T).max(1) if len(archive) else np.ones(len(emb))
+    lo, hi = OPENSIR_BAND
+    return [float(lo <= s <= hi) + OPENSIR_DIVERSITY * float(v) for s, v in zip(success_rates, novelty)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Algorithm 1
 
@@ -153,6 +168,7 @@ def main(cfg: Config):
                disable=rank != 0, desc="SOAR", dynamic_ncols=True)
     for step in bar:
         rloo.TIMES.clear()
+        rloo.reset_counts()
         t_step = time.perf_counter()
         S = inner_steps(cfg, state["promotions"])
         # 1-2. the teacher samples g*n valid pairs (rejection sampling), split in order into X_1..X_g
@@ -172,15 +188,15 @@ def main(cfg: Config):
             rloo.sync_weights(run.student, run.llm)
         with rloo.timed("evaluation"):
             acc0 = accuracy(cfg, run.llm, q_r, run.mesh["fsdp"].get_group())
-        # 5. R_kj = Acc(a student trained on X_k from theta) - Acc0; Intrinsic-T: X_k's learnability
-        if cfg.reward == "learnability":
+        # 5. R_kj = Acc(a student trained on X_k from theta) - Acc0; the intrinsic baselines: X_k's mean reward
+        if cfg.reward != "grounded":
             with rloo.timed("evaluation"):
-                R, snaps, held = [[r] for r in learnability_rewards(cfg, run.llm, datasets, step)], {}, 0
+                R, snaps, held = [[r] for r in intrinsic_rewards(cfg, run.llm, datasets, step, state)], {}, 0
         else:
             R, snaps, held = train_students(cfg, run, theta, datasets, q_r, acc0, S, step,
                                             keep=can_promote(cfg, state["history"]))
         R_k = [sum(row) / len(row) for row in R]
-        # 6-7. Rhat, MA, promotion (Intrinsic-T trains no students, so it never promotes)
+        # 6-7. Rhat, MA, promotion (the intrinsic baselines train no students, so they never promote)
         reward, ma, chosen, state["history"] = decide(state["history"], R, cfg.window,
                                                       cfg.tau if cfg.reward == "grounded" else float("inf"))
         if chosen:
@@ -253,16 +269,21 @@ def train_students(cfg: Config, run, theta, datasets, q_r, acc0, S, step, keep: 
     return [[R[k, j] for j in range(cfg.students)] for k in range(cfg.num_datasets)], snaps, max(n for _, n in parts)
 
 
-def learnability_rewards(cfg: Config, llm, datasets, step) -> list[float]:
-    """Intrinsic-T (METHOD.md "Intrinsic-T"): each dataset's learnability under the baseline student,
-    whose weights are in the engines already."""
+def intrinsic_rewards(cfg: Config, llm, datasets, step, state) -> list[float]:
+    """R_k of the baselines without students, from the solve rates of the baseline student (its weights
+    are in the engines already): Intrinsic-T's learnability (METHOD.md "Intrinsic-T"), or the mean
+    OpenSIR-style reward, whose archive (in state, so in the checkpoint) then takes this step's questions."""
     flat = [{"question": q, "answer": a} for X in datasets for q, a in X]
     counts = rloo.correct_counts(llm, flat, n=cfg.learnability_samples, temperature=cfg.temperature,
                                  max_tokens=cfg.student_max_tokens, seed=rloo.seed_of(cfg.seed, step, "learnability"),
                                  group=dist.group.WORLD)
-    rates = [c / cfg.learnability_samples for c in counts]
-    n = cfg.dataset_size
-    return [learnability(rates[k * n:(k + 1) * n]) for k in range(cfg.num_datasets)]
+    rates, n = [c / cfg.learnability_samples for c in counts], cfg.dataset_size
+    if cfg.reward == "learnability":
+        return [learnability(rates[k * n:(k + 1) * n]) for k in range(cfg.num_datasets)]
+    questions = [q["question"] for q in flat]
+    per_q = opensir(rates, data.embed_ngram(questions), data.embed_ngram(state["archive"]))
+    state["archive"] = (state["archive"] + questions)[-OPENSIR_ARCHIVE:]
+    return [sum(per_q[k * n:(k + 1) * n]) / n for k in range(cfg.num_datasets)]
 
 
 def students(cfg: Config) -> list[tuple[int, int]]:
@@ -331,7 +352,7 @@ def setup(cfg: Config) -> Run | None:
     if problems := check(cfg, world_size, len(hard), seq_len):
         raise SystemExit("soar.py: these settings cannot work:\n  " + "\n  ".join(problems))
     ckpt, state = rloo.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
-    state = state or dict(step=0, history=[], promotions=0, pq=0, rows={})
+    state = state or dict(step=0, history=[], promotions=0, pq=0, rows={}, archive=[])
     if rank == 0:   # the files hold exactly the committed steps: later rows go, the last step's come back
         for name in ("metrics.jsonl", "pq.jsonl"):   # (so an empty pq.jsonl exists before any promotion)
             path, rows = os.path.join(cfg.out, name), state["rows"].get(name, [])

@@ -120,18 +120,39 @@ def test_select_and_finished():
     assert flat["rule"] == "last" and flat["evals_used"] == [60, 70, 80]
 
 
+def batch(step, syn, real, cfg, seed):
+    source, pool, idx = ev.batch_at(step, syn, real, cfg, seed)
+    return source, [pool[i] for i in idx]
+
+
+def test_leeps_exploits_informative_questions_and_explores_their_neighbours():
+    """4 clusters of questions (one-hot embeddings); cluster 0 gave non-trivial groups, cluster 1 trivial
+    ones: LEEPS re-draws cluster 0's informative questions, then prefers cluster 0's undrawn ones"""
+    import random
+    emb = np.repeat(np.eye(4), 5, axis=0)          # questions 0-4: cluster 0, 5-9: cluster 1, ...
+    history = [{"questions": [0, 1, 5, 6], "portfolio": ["explore"] * 4, "nontrivial": [True, True, False, False]}]
+    idx, portfolio = ev.leeps(20, emb, history, 4, random.Random(0))
+    assert len(set(idx)) == 4 and set(idx[:portfolio.count("exploit")]) <= {0, 1}
+    assert portfolio.count("exploit") >= 1
+    explored = idx[portfolio.count("exploit"):]
+    assert explored and all(i in (2, 3, 4) for i in explored[:2])   # cluster 0's undrawn questions first
+    assert not {5, 6} & set(idx)                                     # known-trivial ones last
+    first, _ = ev.leeps(20, emb, [], 4, random.Random(0))             # no history: uniform over the pool
+    assert len(set(first)) == 4
+
+
 def test_batches_mixed_and_curriculum():
     syn = [{"question": f"s{i}", "answer": "1"} for i in range(5)]
     real = [{"question": f"r{i}", "answer": "1"} for i in range(7)]
     cfg = ev.Config(student_questions=3, mode="mixed")
-    epoch = [q["question"] for s in range(4) for q in ev.batch_at(s, syn, real, cfg, 4)[1]]   # 12 = one epoch
+    epoch = [q["question"] for s in range(4) for q in batch(s, syn, real, cfg, 4)[1]]   # 12 = one epoch
     assert sorted(epoch) == sorted(q["question"] for q in syn + real)
-    assert ev.batch_at(2, syn, real, cfg, 4) == ev.batch_at(2, syn, real, cfg, 4)            # replayable
-    assert ev.batch_at(2, syn, real, cfg, 4) != ev.batch_at(2, syn, real, cfg, 5)
+    assert batch(2, syn, real, cfg, 4) == batch(2, syn, real, cfg, 4)            # replayable
+    assert batch(2, syn, real, cfg, 4) != batch(2, syn, real, cfg, 5)
     cur = ev.Config(student_questions=3, mode="curriculum", switch_step=2)
-    assert [ev.batch_at(s, syn, real, cur, 0)[0] for s in range(4)] == ["synthetic", "synthetic", "real", "real"]
-    assert all(q in syn for q in ev.batch_at(1, syn, real, cur, 0)[1])
-    assert all(q in real for q in ev.batch_at(3, syn, real, cur, 0)[1])
+    assert [batch(s, syn, real, cur, 0)[0] for s in range(4)] == ["synthetic", "synthetic", "real", "real"]
+    assert all(q in syn for q in batch(1, syn, real, cur, 0)[1])
+    assert all(q in real for q in batch(3, syn, real, cur, 0)[1])
 
 
 # ---- Vendi ----
@@ -174,7 +195,7 @@ def test_report_table_and_plots(tmp_path):
     cfg = ev.Config(runs=str(runs), soar=str(soar_dir), vendi_draws=3)
     text = ev.cmd_report(cfg)
     lines = text.splitlines()
-    assert "| method | pass@1 | pass@32 | seeds | step |" in lines
+    assert "| method | pass@1 | pass@32 | seeds | step | non-trivial |" in lines
     rows = [x for x in lines if x.startswith("| base") or x.startswith("| pq")]
     assert rows[0].startswith("| base | 0.5 ± 0.0 | 5.0 ± 0.0 | 1 |")              # the paper's order: base first
     assert rows[1].startswith(f"| pq | 2.0 ± {100 * np.std([0.01, 0.03], ddof=1):.1f} | 20.0 ± 0.0 | 2 | 10")
@@ -246,7 +267,8 @@ def rows_run(small_world, tmp_path_factory):
     write(str(soar_dir / "pq.jsonl"), [{**q, "step": 0} for q in rows(small_world["train"])[:8]])
     write(str(soar_dir / "metrics.jsonl"), [dict(step=s, reward=0.01 * s, ma=0.01, promoted=s == 1, promotions=int(s >= 1))
                                             for s in range(3)])
-    p = eval_py("row", "base", "ps", "hard-only", "pq", "base-t", "--soar", str(soar_dir), "--runs", str(runs), *SMALL)
+    p = eval_py("row", "base", "ps", "hard-only", "pq", "base-t", "sept", "--soar", str(soar_dir), "--runs", str(runs),
+                *SMALL)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return soar_dir, runs, p
 
@@ -259,7 +281,7 @@ def test_rows_end_to_end(rows_run, small_world):
         assert res["method"] == method and list(res["passk"]) == ["pass@1", "pass@4", "pass@8"]
         p = list(res["passk"].values())
         assert all(0 <= x <= 1 for x in p) and p == sorted(p)                # pass@k grows with k
-    for method in ("hard-only", "pq", "base-t"):
+    for method in ("hard-only", "pq", "base-t", "sept"):
         d = runs / method / "seed0"
         metrics, evals = rows(d / "metrics.jsonl"), rows(d / "evals.jsonl")
         res = json.loads((d / "result.json").read_text())
@@ -270,6 +292,14 @@ def test_rows_end_to_end(rows_run, small_world):
         assert all(m["grad_norm"] >= 0 and 0 <= m["accuracy"] <= 1 for m in metrics)
         assert not (d / "ckpt").exists()                                    # a finished run keeps no optimizer state
         assert set(res["evals_used"]) <= {e["step"] for e in evals}
+    # SePT: NLL on its own samples, advantage 1 on every token: its policy-gradient term is exactly -1 a
+    # token, whatever the rewards; RLOO's advantages average 0 within a question
+    assert all(m["pg_loss"] == -1.0 and m["kl"] == 0.0 and m["grad_norm"] > 0
+               for m in rows(runs / "sept" / "seed0" / "metrics.jsonl"))
+    assert all(m["pg_loss"] != -1.0 for m in rows(runs / "hard-only" / "seed0" / "metrics.jsonl"))
+    # every fresh-student step logs which question groups carried a reward signal
+    assert all(0 <= m["nontrivial_share"] <= 1 and len(m["nontrivial"]) == 2
+               for m in rows(runs / "hard-only" / "seed0" / "metrics.jsonl"))
     # hard-only has no synthetic set: mixed over the hard split; pq: curriculum, synthetic first
     assert {m["source"] for m in rows(runs / "hard-only" / "seed0" / "metrics.jsonl")} == {"mixed"}
     sources = [m["source"] for m in rows(runs / "pq" / "seed0" / "metrics.jsonl")]

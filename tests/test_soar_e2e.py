@@ -99,6 +99,19 @@ def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_
     assert [m["snapshots"] for m in metrics] == [0, 1] and not any(m["promoted"] for m in metrics)
 
 
+def test_opensir_teacher(tmp_path):
+    """--reward opensir: no students; R_k is the mean of calibration (0 or 1) + 0.5 * novelty against
+    the archive of earlier steps' questions, which the checkpoint carries"""
+    out = tmp_path / "os"
+    p = soar(out, "--reward", "opensir", "--outer_steps", "2")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    metrics = rows(out / "metrics.jsonl")
+    assert all(0.5 - 1e-9 <= r <= 1.5 for r in metrics[0]["R_k"])   # nothing archived yet: novelty 1
+    assert not any(m["promoted"] for m in metrics) and all(len(m["R"][0]) == 1 for m in metrics)
+    state = json.loads((out / "ckpt" / "step-2" / "state.json").read_text())
+    assert len(state["archive"]) == 2 * 2 * 4 and all(q.strip() for q in state["archive"])   # 2 steps of g*n
+
+
 def test_clean_failures(tmp_path):
     p = soar(tmp_path / "c", "--qr_size", "100000", "--window", "0")
     assert p.returncode != 0 and "M=100000" in p.stderr and "--window 0" in p.stderr

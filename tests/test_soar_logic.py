@@ -80,6 +80,19 @@ def test_settings_that_cannot_work_are_named_by_flag():
     assert "more groups than the g*r = 16 students" in soar.check(Config(train="t", student_groups=32), 32, 359, 1)[0]
 
 
+def test_opensir_reward_ranks_calibrated_novel_questions_first():
+    import numpy as np
+    archive = data.embed_ngram(["What is 12 + 30?", "Find the sum of 4 and 9."])
+    qs = ["How many primes are below 20?",      # novel, calibrated (s = 0.5)
+          "How many primes are below 20?",      # novel, solved every time (s = 1)
+          "What is 12 + 30?",                   # calibrated, but a repeat of an archived question
+          "Compute the product 7 * 6."]         # novel, never solved (s = 0)
+    r = soar.opensir([0.5, 1.0, 0.5, 0.0], data.embed_ngram(qs), archive)
+    assert r[0] > r[1] and r[0] > r[2] and r[0] > r[3]
+    assert r[2] == pytest.approx(1.0) and r[1] == pytest.approx(r[0] - 1.0) and r[3] <= 0.5   # calibration is worth 1
+    assert soar.opensir([0.5], data.embed_ngram(qs[:1]), np.zeros((0, 4096))) == [1.5]  # nothing archived yet
+
+
 def test_learnability_reward():
     assert learnability([0.0, 0.25, 1.0, 0.5]) == pytest.approx((0 + 0.75 + 0 + 0.5) / 4)
 
