@@ -5,16 +5,25 @@ need no GPU and no hub.
 
     python world.py [--out DIR] [--small] [--seed N]    # build (or reuse) and print the figures
 
-The family is integer addition a + b, with the total number of digits as the difficulty knob
-("level": 2 is 1+1 digits, 3 is 2+1, 4 is 2+2, 5 is 3+2, ...); answers are plain integers. The
-model is trained from synthetic text in SOAR's real formats, on a mix weighted to the easy end
-(5/8 of examples 1+1 digits, 2/8 2+1, 1/8 2+2): replies to the exact teacher prompt (through the
-chat template), <question>...</question><answer>\boxed{...}</answer>, and solutions after the
-student prompt that end "The final answer is: \boxed{...}.". It masters 1+1 digits (~90% of
-samples right), is weak at 2+1 (~4%) and barely above guessing at 2+2 (~0.4%). The hard problems
-are those of levels 3-4 it gets 0 of 128 samples right (METHOD.md "Data"), mostly 2+2 sums and 2+1
-sums with a carry: at the edge of what it can do, so teacher questions around 2+1 and 2+2 digits
-can move a student on them (a default SOAR run sees R > 0 at some steps).
+The family: small additions and subtractions, bare ("What is 12 - 3?") or as word problems of one to
+four steps ("Tom has 12 apples. He gives away 3, then finds 2. How many apples does he have now?"),
+solved left to right, one equation per step ("12 - 3 = 9. 9 + 2 = 11. The final answer is:
+\\boxed{11}."). The tiny model is trained on SOAR's two formats:
+  * teacher mode (replies to the teacher prompt through the chat template): it works a problem out
+    first, outside the tags as the prompt allows, then poses it, so its answers are right (~97%);
+  * student mode (solutions after the student prompt): right on bare problems and on "gets x more"
+    steps, but it misreads "gives away x" and "finds x" steps (the training solutions add what is given
+    away and take away what is found 80% of the time, a confusion between the verbs).
+So the student solves one-step "gives away" problems ~25% of the time and four-step ones never: the
+hard set (fail@128 over four-step "gives away" problems) needs a reading that the easy problems teach
+(a student trained by RL on one-step "gives away" problems reads the verb right, and its greedy
+answers to the four-step ones turn right), and writing those easy problems takes no skill the student
+lacks: the teacher writes them, answers right, as often as it likes. "finds" problems are as
+learnable for the student, and useless for the hard set.
+
+The build is reproducible: it pins threads and kernels in its own processes (PINNED_ENV), trains
+with a fixed data order and seed, samples with fixed seeds, and prints a fingerprint of the hard set.
+Candidates are drawn in batches until each half holds `need` problems (the defaults' Q_R).
 """
 import argparse
 import hashlib
@@ -22,6 +31,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -31,8 +41,15 @@ import data  # the only import at the top: data.grade's workers re-import the ma
              # and vllm stay inside the functions that need them
 
 # -----------------------------------------------------------------------------
-# the problem family: a + b, difficulty = digits in all ("level": 2 = 1+1 digits, 3 = 2+1, 4 = 2+2, ...)
-TEMPLATES = ("What is {a} + {b}?", "Compute {a} + {b}.", "Find the sum of {a} and {b}.")
+# the problem family: small additions and subtractions, bare ("What is 12 - 3?") or as word problems
+# of one to three steps ("Tom has 12 apples. Tom gives away 3, then gets 2 more. How many apples does
+# Tom have now?"). kind "add" / "sub": bare, level 1; kind "word": level = its steps' signs ("+", "-+", ...).
+# Solutions work the steps out left to right, one equation each.
+START = (6, 20)             # a word problem's start; bare: the first number
+STEP = (1, 5)               # every number added or taken away
+KINDS = {"add": dict(template="What is {a} + {b}?"), "sub": dict(template="What is {a} - {b}?"),
+         "word": dict(template="Tom has {a} apples. He {steps}. How many apples does he have now?")}
+VERBS = {"+": "gets {x} more", "-": "gives away {x}", "f": "finds {x}"}   # "f": an addition too
 
 # tokenizer: byte-level BPE, digits always single tokens (so numbers of any size are spelled the same way)
 SPECIAL = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -41,49 +58,57 @@ VOCAB_SIZE = 1024           # an upper bound: the corpus saturates near 600
 # tokenizes with or without special tokens, in training and in vLLM
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+MAX_MODEL_LEN = 320         # engine context: teacher prompt ~150 tokens + a 96-token reply fits
+MAX_TOKENS = 96             # both formats end (EOS) well within this
 
-# model: a tiny Llama. head_dim 64 because vLLM's CPU attention kernels reject head_dim 16
-MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
-             rope_theta=10000.0, tie_word_embeddings=True)
-MAX_MODEL_LEN = 320         # engine context: teacher prompt ~150 tokens + a 48-token reply fits easily
+# Reproducibility: the build pins these in its own process (and its training children) whatever
+# the caller's environment: one thread everywhere (summation order), ATen's portable kernels and
+# MKL's conditional-numerical-reproducibility branch (the same float results on any x86 CPU with AVX2).
+PINNED_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+              "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+              "PYTHONHASHSEED": "0"}
 
-# training: plain AdamW, linear warmup then cosine. Data parallel over TRAIN_PROCS processes of one
-# thread each: on a busy 2-core box two spin-waiting torch threads in one process run ~20x slower
-LR = 3e-3                   # big, as suits a model this small (1e-2 was worse, 1e-3 slower)
-WARMUP = 30
-BATCH = 64                  # examples per step, over all processes
-TEACHER_FRACTION = 0.25     # of each batch: teacher replies; the rest student solutions
-TRAIN_PROCS = 2
-
-# measuring
-MAX_TOKENS = 48             # both formats end (EOS) well within this
-TEACHER_SAMPLES = 64        # teacher prompt samples for the valid-pair rate
-EASY_EVAL = 64              # easy problems for the student's greedy accuracy
-
-# the two worlds. easy: the levels the model is trained on, drawn uniformly from the tuple, so a
-# level listed n times gets n shares of the examples (the easy-accuracy check draws the same mix);
-# hard: the levels the fail@k candidates are drawn from. Default: mostly 1+1 digits, a little 2+1
-# and 2+2, so 2+1 stays weak (~4% of samples right) and 2+2 nearly out of reach (~0.4%); ~1/3 of
-# level 3-4 candidates pass fail@128 (measured: 71 of 224), so the hard set sits at the edge of
-# learnability (with levels 2-3 trained uniformly, every 2+1 sum was solved some of the time and
-# 2+2 was out of reach: no student ever moved). Small: trained on 1+1 digits only, so it learns
-# its easy end in fewer steps
-SETTINGS = {
-    "default": dict(easy=(2,) * 5 + (3, 3, 4), hard=(3, 4), steps=600, candidates=224, k=128),
-    "small": dict(easy=(2,), hard=(3, 4), steps=300, candidates=32, k=32),
+# The recipes. student / teacher: the training mix of each format, as (kind, level, weight); hard:
+# the (kind, level) pairs the fail@k candidates are drawn from; need: the least hard problems each
+# half must hold (the defaults of soar.py and eval.py), candidates are drawn in batches until both
+# halves have them.
+RECIPES = {
+    "default": dict(
+        model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
+                   rope_theta=10000.0, tie_word_embeddings=True),
+        student=[("add", 1, 3), ("sub", 1, 3), ("word", "?1", 2), ("word", "?2", 2), ("word", "?3", 2), ("word", "?4", 1)],
+        misread=0.8, student_steps=(1, 1, 1), teacher_steps=(6, 2, 2),
+        teacher=[("add", 1, 1), ("sub", 1, 1), ("word", "?1", 1), ("word", "?2", 1), ("word", "?3", 1), ("word", "?4", 1)],
+        teacher_fraction=0.4, steps=1000, lr=3e-3, warmup=30, batch=64, procs=2,
+        hard=[("word", "----")], k=128, need=32, batch_candidates=64, max_candidates=2048,
+        teacher_samples=256, level_problems=8, level_samples=16,
+        probe=[("add", 1), ("sub", 1), ("word", "+"), ("word", "-"), ("word", "f"), ("word", "++"), ("word", "--"),
+               ("word", "+-+"), ("word", "ff"), ("word", "---"), ("word", "++++"), ("word", "----")]),
+    "small": dict(
+        model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
+                   rope_theta=10000.0, tie_word_embeddings=True),
+        student=[("add", 1, 3), ("sub", 1, 3), ("word", "?1", 2), ("word", "?2", 2)],
+        misread=0.8, student_steps=(1, 1, 1), teacher_steps=(6, 2, 2),
+        teacher=[("add", 1, 1), ("sub", 1, 1), ("word", "?1", 1), ("word", "?2", 1)],
+        teacher_fraction=0.4, steps=300, lr=3e-3, warmup=30, batch=64, procs=2,
+        hard=[("word", "---")], k=32, need=8, batch_candidates=32, max_candidates=256,
+        teacher_samples=64, level_problems=8, level_samples=8,
+        probe=[("add", 1), ("word", "+"), ("word", "-"), ("word", "---")]),
 }
-VERSION = 3                 # bump when the recipe changes: it is part of the cache key
+VERSION = 5                 # bump when the recipe changes: it is part of the cache key
 
 # The settings of soar.py and eval.py on this world (used when no --model is given; their --help
 # shows each next to the paper's default): the same algorithm with smaller numbers, for a tiny
-# model on 2 CPU cores. A key means the same thing in both scripts.
+# model on 2 CPU cores. A key means the same thing in both scripts. One student per dataset (r = 1):
+# this world's students learn all or nothing, and with r = 2 the promoted median is the lower one.
 PRESET = dict(
     # soar.py, the outer loop
-    outer_steps=12, num_datasets=2, dataset_size=8, students=2, qr_size=32, inner_steps=4, inner_step_inc=2,
-    teacher_lr=1e-3, teacher_warmup=2, learnability_samples=8,
+    outer_steps=15, num_datasets=4, dataset_size=8, students=1, qr_size=32, inner_steps=6, inner_step_inc=1,
+    teacher_lr=3e-4, teacher_warmup=2, learnability_samples=8,
     # both: students and sampling
-    student_questions=4, student_samples=8, student_lr=1e-3, student_max_tokens=MAX_TOKENS,
+    student_questions=4, student_samples=8, student_lr=3e-4, student_max_tokens=MAX_TOKENS,
     teacher_max_tokens=MAX_TOKENS, activation_checkpointing=False,
     # eval.py: fresh students, the fail@k filter, diversity
     student_steps=24, student_warmup=2, switch_step=6, big_group=16, teacher_questions=32, eval_every=4,
@@ -91,24 +116,84 @@ PRESET = dict(
 # -----------------------------------------------------------------------------
 
 
-def make_problem(rng: random.Random, level: int) -> dict:
-    """a + b with `level` digits in all (level >= 2), split as evenly as possible: 2 is 1+1 digits,
-    3 is 2+1, 4 is 2+2, 5 is 3+2, ... The answer is the plain integer."""
-    def num(d):
-        return rng.randrange(10 ** (d - 1) if d > 1 else 0, 10 ** d)
-    a, b = num((level + 1) // 2), num(level // 2)
-    if rng.random() < 0.5:
-        a, b = b, a
-    return {"question": rng.choice(TEMPLATES).format(a=a, b=b), "answer": str(a + b), "a": a, "b": b}
+def make_problem(rng: random.Random, kind: str, level, steps=(1, 1, 1)) -> dict:
+    """a problem of the family (see KINDS); every partial result is >= 1; the answer is the plain integer."""
+    while True:
+        a = rng.randint(*START)
+        signs = "+" if kind == "add" else "-" if kind == "sub" else level
+        if signs.startswith("?"):   # "?3": 3 steps of any kind, drawn with weights `steps`
+            signs = "".join(rng.choices("+-f", weights=steps)[0] for _ in range(int(signs[1:])))
+        xs = [rng.randint(*STEP) for _ in signs]
+        vals = [a]
+        for s, x in zip(signs, xs):
+            vals.append(vals[-1] - x if s == "-" else vals[-1] + x)
+        if min(vals) >= 1:
+            break
+    if kind == "word":
+        steps = ", then ".join(VERBS[s].format(x=x) for s, x in zip(signs, xs))
+        q = KINDS[kind]["template"].format(a=a, steps=steps)
+    else:
+        q = KINDS[kind]["template"].format(a=a, b=xs[0])
+    return {"question": q, "answer": str(vals[-1]), "start": a, "signs": signs, "xs": xs, "kind": kind,
+            "level": signs if kind == "word" else level}
 
 
-def student_solution(p: dict) -> str:
-    """what follows the student prompt's 'Assistant:' (the trainer adds EOS)"""
-    return f" {p['a']} + {p['b']} = {p['answer']}. The final answer is: \\boxed{{{p['answer']}}}."
+def working(p: dict, misread=()) -> str:
+    """the steps, left to right: 'a - x = b. b + y = c.'; the steps in `misread` add what they take away"""
+    out, v = [], p["start"]
+    for i, (s, x) in enumerate(zip(p["signs"], p["xs"])):
+        s = "-" if s == "-" else "+"            # "finds" adds
+        if i in misread:
+            s = "+" if s == "-" else "-"
+        w = v + x if s == "+" else v - x
+        out.append(f"{v} {s} {x} = {w}.")
+        v = w
+    return " ".join(out)
+
+
+def student_solution(p: dict, misread=()) -> str:
+    """what follows the student prompt's 'Assistant:' (the trainer adds EOS); with `misread` steps, the
+    solution of a student who reads those "gives away" steps as additions (a wrong answer)"""
+    w = working(p, misread)
+    answer = w.rsplit("= ", 1)[1].rstrip(".")
+    return f" {w} The final answer is: \\boxed{{{answer}}}."
 
 
 def teacher_reply(p: dict) -> str:
-    return f"<question>{p['question']}</question><answer>\\boxed{{{p['answer']}}}</answer>"
+    """the teacher works its problem out first, outside the tags (as the teacher prompt allows), then poses it"""
+    return f"{working(p)} <question>{p['question']}</question><answer>\\boxed{{{p['answer']}}}</answer>"
+
+
+_BARE = re.compile(r"^What is (\d+) ([+-]) (\d+)\?$")
+_WORD = re.compile(r"^Tom has (\d+) apples\. He (.+)\. How many apples does he have now\?$")
+_VERB = re.compile(r"^(?:gets (\d+) more|gives away (\d+)|finds (\d+))$")
+
+
+def classify(question: str) -> dict | None:
+    """A question of the family, read back: kind, level, and the true answer; None for anything else
+    (what the teacher writes is measured with this, never executed)."""
+    q = question.strip()
+    m = _BARE.match(q)
+    if m:
+        a, s, x = int(m[1]), m[2], int(m[3])
+        return dict(kind="add" if s == "+" else "sub", level=1, answer=str(a + x if s == "+" else a - x))
+    m = _WORD.match(q)
+    if not m:
+        return None
+    v, signs = int(m[1]), ""
+    for part in m[2].split(", then "):
+        st = _VERB.match(part)
+        if not st:
+            return None
+        signs += "+" if st[1] else "-" if st[2] else "f"
+        v = v - int(st[2]) if st[2] else v + int(st[1] or st[3])
+    return dict(kind="word", level=signs, answer=str(v))
+
+
+def draw(rng: random.Random, mix: list, steps=(1, 1, 1)) -> dict:
+    """a problem from a mix [(kind, level, weight), ...]; steps: weights of "+", "-", "f" in "?n" levels"""
+    kind, level, _ = rng.choices(mix, weights=[w for *_, w in mix])[0]
+    return make_problem(rng, kind, level, steps)
 
 
 # -----------------------------------------------------------------------------
@@ -118,7 +203,8 @@ def build_tokenizer(seed: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     rng = random.Random(seed)
-    probs = [make_problem(rng, rng.randint(2, 8)) for _ in range(500)]
+    probs = [make_problem(rng, "word", "".join(rng.choice("+-") for _ in range(rng.randint(1, 3)))) for _ in range(500)] + \
+            [make_problem(rng, kind, 1) for kind in ("add", "sub") for _ in range(250)]
     corpus = [data.TEACHER_PROMPT, data.STUDENT_PROMPT] * 50 + \
              [p["question"] + student_solution(p) + teacher_reply(p) for p in probs]
     tok = Tokenizer(models.BPE())
@@ -137,29 +223,30 @@ def _ids(tok, text):
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def train_model(model_dir: str, easy: tuple, steps: int, seed: int) -> None:
-    """Train a fresh tiny Llama on SOAR's two formats, levels drawn from easy, and save it next to the
-    tokenizer in model_dir. Data parallel over TRAIN_PROCS processes (gloo): same result as one
-    process with the whole batch, up to float summation order."""
+def train_model(model_dir: str, r: dict, seed: int) -> None:
+    """Train a fresh tiny Llama on SOAR's two formats (recipe r) and save it next to the tokenizer
+    in model_dir. Data parallel over r["procs"] processes (gloo) of one thread each: the result
+    depends on the recipe and the seed only, not on the machine's cores."""
     import torch.multiprocessing as mp
     import rloo
     port = rloo.free_port()
-    mp.spawn(_train_rank, args=(TRAIN_PROCS, port, model_dir, easy, steps, seed), nprocs=TRAIN_PROCS)
+    mp.spawn(_train_rank, args=(r["procs"], port, model_dir, r, seed), nprocs=r["procs"])
 
 
-def _train_rank(rank: int, world: int, port: int, model_dir: str, easy: tuple, steps: int, seed: int):
+def _train_rank(rank: int, world: int, port: int, model_dir: str, r: dict, seed: int):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     data.die_with_parent()
     torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     tok = AutoTokenizer.from_pretrained(model_dir)
     torch.manual_seed(seed)  # the same initial weights on every rank
     rng = random.Random(seed * 1000 + rank + 1)  # its own examples on every rank
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **MODEL))
+                                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **r["model"]))
     eos = tok.eos_token_id
     # Every example starts with one of two long fixed prompts (~150 and ~75 tokens) and what is
     # learnt is ~30 tokens, so each fixed prefix runs once per batch and its keys and values are
@@ -168,13 +255,11 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, easy: tuple, s
     t_prefix = data.teacher_prompt(tok)
     s_prefix = _ids(tok, data.STUDENT_PROMPT.split("{question}")[0].rstrip())
 
-    def problem():
-        return make_problem(rng, rng.choice(easy))
-
     def student_row(p):
         full = _ids(tok, data.student_prompt(p["question"]))
         assert full[:len(s_prefix)] == s_prefix, "the student prompt's head must tokenize on its own"
-        return full[len(s_prefix):], _ids(tok, student_solution(p)) + [eos]
+        misread = {i for i, sg in enumerate(p["signs"]) if p["kind"] == "word" and sg in "-f" and rng.random() < r["misread"]}
+        return full[len(s_prefix):], _ids(tok, student_solution(p, misread)) + [eos]
 
     def loss_sum(prefix, rows):
         """summed next-token loss over the completions of rows = [(prompt tail ids, completion ids)]"""
@@ -194,16 +279,18 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, easy: tuple, s
         logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"), int((labels >= 0).sum())
 
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98), weight_decay=0.0)
-    n_teacher = round(BATCH * TEACHER_FRACTION) // world
-    n_student = BATCH // world - n_teacher
+    opt = torch.optim.AdamW(model.parameters(), lr=r["lr"], betas=(0.9, 0.98), weight_decay=0.0)
+    n_teacher = round(r["batch"] * r["teacher_fraction"]) // world
+    n_student = r["batch"] // world - n_teacher
+    steps = r["steps"]
     t0 = time.time()
     for step in range(steps):
-        lr = LR * min(1.0, (step + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        lr = r["lr"] * min(1.0, (step + 1) / r["warmup"]) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        lt, nt = loss_sum(t_prefix, [([], _ids(tok, teacher_reply(problem())) + [eos]) for _ in range(n_teacher)])
-        ls, ns = loss_sum(s_prefix, [student_row(problem()) for _ in range(n_student)])
+        lt, nt = loss_sum(t_prefix, [([], _ids(tok, teacher_reply(draw(rng, r["teacher"], r["teacher_steps"]))) + [eos])
+                                     for _ in range(n_teacher)])
+        ls, ns = loss_sum(s_prefix, [student_row(draw(rng, r["student"], r["student_steps"])) for _ in range(n_student)])
         # mean over all tokens of all ranks: sum the counts, then sum the gradients of loss_sum / count
         counts = torch.tensor([nt, ns, lt.item(), ls.item()], dtype=torch.float64)
         dist.all_reduce(counts)
@@ -213,7 +300,7 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, easy: tuple, s
             dist.all_reduce(p.grad)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if rank == 0 and (step % 50 == 0 or step == steps - 1):
+        if rank == 0 and (step % 100 == 0 or step == steps - 1):
             print(f"train step {step:4d}  loss teacher {counts[2] / counts[0]:.3f} student {counts[3] / counts[1]:.3f}"
                   f"  {time.time() - t0:.0f}s", flush=True)
     if rank == 0:
@@ -224,42 +311,79 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, easy: tuple, s
 # -----------------------------------------------------------------------------
 # measuring, with the project's own engine and grader
 
-def measure(model_dir: str, s: dict, seed: int, log=print) -> tuple[dict, list[dict], list[int]]:
-    """The world's figures, with rloo's engine and data's parser and grader: valid teacher pairs,
-    greedy accuracy on the easy end, sampled accuracy per difficulty, and the fail@k filter.
-    Returns (stats, fail@k candidates, their correct counts)."""
+def _correct_counts(llm, problems, *, n, seed):
+    """How many of n samples (student prompt, T = 1) are right, per problem: the project's own sampling
+    and grading"""
     import rloo  # here, not at the top: see the import of data
+    return rloo.correct_counts(llm, problems, n=n, max_tokens=MAX_TOKENS, seed=seed)
+
+
+def teacher_profile(texts: list[str]) -> dict:
+    """What a teacher wrote: the valid-pair rate (the format filter); per kind and level the share of
+    valid pairs and how often the pair's answer is right; and per kind of word-problem step ("+" gets,
+    "-" gives away, "f" finds) the share of valid pairs that have one."""
+    pairs = data.parse_teacher_batch(texts)
+    valid = [p for p in pairs if p is not None]
+    per, steps = {}, {"+": 0, "-": 0, "f": 0}
+    for q, a in valid:
+        c = classify(q)
+        key = f"{c['kind']}{c['level']}" if c else "other"
+        n, right = per.get(key, (0, 0))
+        per[key] = (n + 1, right + (c is not None and a.strip() == c["answer"]))
+        if c and c["kind"] == "word":
+            for s in set(c["level"]):
+                steps[s] += 1
+    n = max(1, len(valid))
+    return dict(valid_pair_rate=len(valid) / max(1, len(texts)),
+                answer_right=sum(r for _, r in per.values()) / n,
+                with_step={s: k / n for s, k in steps.items()},
+                share={k: c / n for k, (c, _) in sorted(per.items())},
+                answer_right_by_level={k: r / c for k, (c, r) in sorted(per.items())})
+
+
+def measure(model_dir: str, r: dict, seed: int, log=print) -> tuple[dict, list[dict], list[int]]:
+    """The world's figures, with rloo's engine and data's parser and grader: what the teacher writes,
+    the student's sampled accuracy per kind and level, and the fail@k filter over candidates drawn in
+    batches until the hard set holds 2 * need problems. Returns (stats, candidates, correct counts)."""
+    import torch
+    torch.set_num_threads(1)  # before the engine: vLLM's CPU worker forbids changing it afterwards
+    import rloo
     rloo.init_distributed()  # a 1-rank group: build_engine's external_launcher wants one
     llm = rloo.build_engine(model_dir, max_model_len=MAX_MODEL_LEN, seed=seed)
-    rng = random.Random(seed + 2)
     t0 = time.time()
-    teacher = rloo.generate(llm, [data.teacher_prompt(llm.get_tokenizer())], n=TEACHER_SAMPLES,
+    teacher = rloo.generate(llm, [data.teacher_prompt(llm.get_tokenizer())], n=r["teacher_samples"],
                             max_tokens=MAX_TOKENS, seed=seed)[0]
-    pairs = data.parse_teacher_batch([x.text for x in teacher])
-    valid = sum(p is not None for p in pairs) / len(pairs)
-    log(f"teacher: {valid:.0%} valid pairs, e.g. {teacher[0].text!r}")
-    easy = [make_problem(rng, d) for d in s["easy"] for _ in range(EASY_EVAL // len(s["easy"]))]
-    counts = rloo.correct_counts(llm, easy, n=1, max_tokens=MAX_TOKENS, seed=seed, temperature=0.0)
-    easy_acc = sum(counts) / len(easy)
-    log(f"student: {easy_acc:.0%} greedy accuracy on {len(easy)} easy problems")
-    sampled = {}  # where the learning signal lives: accuracy at T = 1 along the difficulty knob
-    for d in range(2, max(s["hard"]) + 1):
-        c = rloo.correct_counts(llm, [make_problem(rng, d) for _ in range(16)], n=16, max_tokens=MAX_TOKENS,
-                                seed=seed + d)
-        sampled[d] = sum(c) / (16 * 16)
-    log("student: sampled accuracy (T=1) by level " + ", ".join(f"{d}: {a:.1%}" for d, a in sampled.items()))
-    candidates, seen = [], set()
-    while len(candidates) < s["candidates"]:  # distinct questions from the hard end
-        p = make_problem(rng, rng.choice(s["hard"]))
-        if p["question"] not in seen:
-            seen.add(p["question"])
-            candidates.append(p)
-    counts = rloo.correct_counts(llm, candidates, n=s["k"], max_tokens=MAX_TOKENS, seed=seed + 100)
-    kept = sum(c == 0 for c in counts)
-    log(f"fail@{s['k']}: {kept} of {len(candidates)} candidates (levels {'/'.join(map(str, s['hard']))}) "
-        f"have 0 correct; measuring took {time.time() - t0:.0f}s")
-    stats = dict(valid_pair_rate=valid, easy_greedy_accuracy=easy_acc, sampled_accuracy_by_level=sampled)
-    return stats, candidates, counts
+    prof = teacher_profile([x.text for x in teacher])
+    log(f"teacher: {prof['valid_pair_rate']:.0%} valid pairs, e.g. {teacher[0].text!r}")
+    log(f"teacher: answers right {prof['answer_right']:.0%}; pairs with a step of kind " +
+        ", ".join(f"{k} {v:.0%}" for k, v in prof["with_step"].items()))
+    rng = random.Random(seed + 2)
+    sampled = {}  # where the learning signal lives: accuracy at T = 1 per kind and level
+    cells = [tuple(x) for x in r["probe"]]
+    for i, (kind, lv) in enumerate(cells):
+        probs = [make_problem(rng, kind, lv) for _ in range(r["level_problems"])]
+        c = _correct_counts(llm, probs, n=r["level_samples"], seed=seed + 1000 * i)
+        sampled[f"{kind}{lv}"] = sum(c) / (len(probs) * r["level_samples"])
+    log("student: sampled accuracy (T=1) " + ", ".join(f"{k} {a:.1%}" for k, a in sampled.items()))
+    candidates, counts, seen = [], [], set()
+    crng = random.Random(seed + 3)
+    while sum(c == 0 for c in counts) < 2 * r["need"]:
+        if len(candidates) >= r["max_candidates"]:
+            raise RuntimeError(f"only {sum(c == 0 for c in counts)} of {len(candidates)} candidates pass fail@{r['k']}; "
+                               f"the recipe needs {2 * r['need']}")
+        batch = []
+        while len(batch) < r["batch_candidates"]:  # distinct questions from the hard end
+            kind, lv = crng.choice(r["hard"])
+            p = make_problem(crng, kind, lv)
+            if p["question"] not in seen:
+                seen.add(p["question"])
+                batch.append(p)
+        # request i of the filter carries seed + (its index among all candidates): batching does not matter
+        counts += _correct_counts(llm, batch, n=r["k"], seed=seed + 100 + len(candidates) * r["k"])
+        candidates += batch
+    log(f"fail@{r['k']}: {sum(c == 0 for c in counts)} of {len(candidates)} candidates have 0 correct; "
+        f"measuring took {time.time() - t0:.0f}s")
+    return dict(teacher=prof, sampled_accuracy=sampled), candidates, counts
 
 
 # -----------------------------------------------------------------------------
@@ -267,11 +391,16 @@ def measure(model_dir: str, s: dict, seed: int, log=print) -> tuple[dict, list[d
 
 def build_key(small: bool, seed: int) -> str:
     """What the world depends on: the recipe above and the prompts it is trained on."""
-    recipe = dict(version=VERSION, settings=SETTINGS["small" if small else "default"], seed=seed,
-                  templates=TEMPLATES, model=MODEL, vocab=VOCAB_SIZE, chat_template=CHAT_TEMPLATE,
-                  train=[LR, WARMUP, BATCH, TEACHER_FRACTION, TRAIN_PROCS], max_tokens=MAX_TOKENS,
-                  eval=[TEACHER_SAMPLES, EASY_EVAL], prompts=[data.TEACHER_PROMPT, data.STUDENT_PROMPT])
+    recipe = dict(version=VERSION, recipe=RECIPES["small" if small else "default"], seed=seed,
+                  family=[KINDS, VERBS, START, STEP], vocab=VOCAB_SIZE, chat_template=CHAT_TEMPLATE,
+                  max_tokens=MAX_TOKENS, env=PINNED_ENV, prompts=[data.TEACHER_PROMPT, data.STUDENT_PROMPT])
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def fingerprint(train: list[dict], test: list[dict]) -> str:
+    """A short hash of the hard set (both halves, in order): equal fingerprints, equal worlds."""
+    text = json.dumps([[(p["question"], p["answer"]) for p in half] for half in (train, test)])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _paths(out: str) -> dict:
@@ -279,23 +408,26 @@ def _paths(out: str) -> dict:
             "test": os.path.join(out, "test.jsonl"), "stats": os.path.join(out, "stats.json")}
 
 
-def _build_here(out: str, small: bool, seed: int) -> None:
+def _build_here(out: str, r: dict, seed: int, key: str = "", small: bool = False) -> None:
     """The whole build in this process, into `out` (the caller renames it into place)."""
     t0 = time.time()
-    s = SETTINGS["small" if small else "default"]
     paths = _paths(out)
     tok = build_tokenizer(seed)
     tok.save_pretrained(paths["model"])
-    train_model(paths["model"], s["easy"], s["steps"], seed)
+    train_model(paths["model"], r, seed)
     train_s = time.time() - t0
-    stats, candidates, counts = measure(paths["model"], s, seed)
+    stats, candidates, counts = measure(paths["model"], r, seed)
     hard = [{"question": p["question"], "answer": p["answer"]} for p, c in zip(candidates, counts) if c == 0]
     train, test = data.split_train_test(hard, seed)
     data.write_jsonl(paths["train"], train)
     data.write_jsonl(paths["test"], test)
-    stats.update(key=build_key(small, seed), small=small, seed=seed, settings=s, model=MODEL,
-                 params=_param_count(paths["model"]), vocab=len(tok),
-                 candidates=len(candidates), hard=len(hard), train=len(train), test=len(test),
+    kinds = {}
+    for p, c in zip(candidates, counts):
+        if c == 0:
+            kinds[f"{p['kind']}{p['level']}"] = kinds.get(f"{p['kind']}{p['level']}", 0) + 1
+    stats.update(key=key, small=small, seed=seed, recipe=r, params=_param_count(paths["model"]), vocab=len(tok),
+                 candidates=len(candidates), hard=len(hard), hard_by_kind=dict(sorted(kinds.items())),
+                 train=len(train), test=len(test), fingerprint=fingerprint(train, test),
                  candidate_correct_counts=counts, train_seconds=round(train_s, 1),
                  build_seconds=round(time.time() - t0, 1))
     with open(paths["stats"], "w") as f:
@@ -317,8 +449,9 @@ def build_world(out_dir: str | None = None, small: bool = False, seed: int = 0) 
     train / test (hard problems, jsonl), stats (json).
 
     The build runs in a child process: it gets its own 1-rank vLLM engine and process group
-    whatever the caller runs under (torchrun, pytest), and frees all of it on exit. It writes into
-    a temporary folder renamed into place at the end, so a folder under the final name is finished."""
+    whatever the caller runs under (torchrun, pytest), its own pinned threads and kernels
+    (PINNED_ENV), and frees all of it on exit. It writes into a temporary folder renamed into
+    place at the end, so a folder under the final name is finished."""
     key = build_key(small, seed)
     out = os.path.abspath(out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache",
                                                    f"world-{'small' if small else 'default'}-{key}"))
@@ -329,6 +462,7 @@ def build_world(out_dir: str | None = None, small: bool = False, seed: int = 0) 
         tmp = f"{out}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+        env.update(PINNED_ENV)
         cmd = [sys.executable, os.path.abspath(__file__), "--here", "--out", tmp, "--seed", str(seed)]
         try:
             subprocess.run(cmd + ["--small"] * small, env=env, check=True)
@@ -354,6 +488,20 @@ def build_world_all_ranks(small: bool = False) -> dict:
     return paths or build_world(small=small)
 
 
+def describe(paths: dict) -> str:
+    with open(paths["stats"]) as f:
+        st = json.load(f)
+    t = st["teacher"]
+    return "\n".join([
+        f"world: {paths['model']}  ({st['params'] / 1e6:.2f} M parameters, vocab {st['vocab']})",
+        f"  teacher: {t['valid_pair_rate']:.0%} valid pairs, answers right {t['answer_right']:.0%}; pairs with a step "
+        "'gets' / 'gives away' / 'finds': " + " / ".join(f"{v:.0%}" for v in t["with_step"].values()),
+        "  student: sampled accuracy " + ", ".join(f"{k} {a:.1%}" for k, a in st["sampled_accuracy"].items()),
+        f"  fail@{st['recipe']['k']}: {st['hard']} of {st['candidates']} candidates ({st['hard_by_kind']}) -> "
+        f"{st['train']} train ({paths['train']}), {st['test']} test ({paths['test']})",
+        f"  fingerprint {st['fingerprint']}; built in {st['build_seconds']:.0f}s (training {st['train_seconds']:.0f}s)"])
+
+
 def resolve(cfg):
     """cfg with the built-in world's model and hard splits filled in when it names no --model (rank 0
     of a torch.distributed job builds the world, cached, while the others wait); else cfg as is."""
@@ -376,17 +524,9 @@ def main():
     a = p.parse_args()
     if a.here:   # build_world's child: it must not outlive the process that waits for it
         data.die_with_parent()
-        return _build_here(a.out, a.small, a.seed)
-    paths = build_world(a.out, a.small, a.seed)
-    with open(paths["stats"]) as f:
-        st = json.load(f)
-    print(f"world: {paths['model']}  ({st['params'] / 1e6:.2f} M parameters, vocab {st['vocab']})")
-    print(f"  valid teacher pairs {st['valid_pair_rate']:.0%}, easy greedy accuracy {st['easy_greedy_accuracy']:.0%}")
-    print("  sampled accuracy by level: " +
-          ", ".join(f"{d}: {a:.1%}" for d, a in st["sampled_accuracy_by_level"].items()))
-    print(f"  fail@{st['settings']['k']}: {st['hard']} of {st['candidates']} hard candidates -> "
-          f"{st['train']} train ({paths['train']}), {st['test']} test ({paths['test']})")
-    print(f"  built in {st['build_seconds']:.0f}s (training {st['train_seconds']:.0f}s)")
+        name = "small" if a.small else "default"
+        return _build_here(a.out, RECIPES[name], a.seed, key=build_key(a.small, a.seed), small=a.small)
+    print(describe(build_world(a.out, a.small, a.seed)))
 
 
 if __name__ == "__main__":

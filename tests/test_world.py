@@ -1,29 +1,44 @@
-"""The built-in world (world.py): the problem generator's answers, and a fresh small build measured
-with the real engine, so that a regression in the formats (prompts, chat template, parser, grader)
-shows up as a rate falling below its bar."""
+"""The built-in world (world.py): the problem generator's answers, the reader of teacher questions, and
+a fresh small build measured with the real engine, so that a regression in the formats (prompts,
+chat template, parser, grader) shows up as a rate falling below its bar; and the build is the same
+world whatever the caller's threads."""
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
 import data
 import world
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LEVELS = [("add", 1), ("sub", 1)] + [("word", s) for s in ("+", "-", "f", "+-", "--+", "-f+f", "----", "?3")]
+
 
 def test_generator_answers_verify():
     rng = random.Random(0)
-    for level in range(2, 9):
-        for _ in range(4):
-            p = world.make_problem(rng, level)
-            a, b = p["a"], p["b"]
-            assert len(str(a)) + len(str(b)) == level and abs(len(str(a)) - len(str(b))) <= 1
-            assert f"{a}" in p["question"] and f"{b}" in p["question"]
-            assert p["answer"] == str(a + b)
+    for kind, level in LEVELS:
+        for _ in range(8):
+            p = world.make_problem(rng, kind, level)
+            c = world.classify(p["question"])
+            assert c is not None and c["answer"] == p["answer"] and c["kind"] == kind
+            assert int(p["answer"]) >= 1
             # the formats the model is trained on grade and parse as intended
-            assert data.grade([world.student_solution(p)] * 2, [p["answer"], str(a + b + 1)]) == \
+            assert data.grade([world.student_solution(p)] * 2, [p["answer"], str(int(p["answer"]) + 1)]) == \
                 [data.R_CORRECT, data.R_BOXED]
             assert data.parse_teacher_batch([world.teacher_reply(p)]) == [(p["question"], p["answer"])]
+            if set(p["signs"]) & set("-f") and kind == "word":   # a misread step changes the answer
+                i = min(p["signs"].find(c) for c in "-f" if c in p["signs"])
+                assert data.grade([world.student_solution(p, {i})], [p["answer"]]) != [data.R_CORRECT]
+
+
+def test_classify_rejects_what_is_not_the_family():
+    assert world.classify("What is 3 * 4?") is None
+    assert world.classify("Tom has 5 apples. He eats 2. How many apples does he have now?") is None
+    assert world.classify("Tom has 5 apples. He gives away 2, then gets 3 more. How many apples does he have now?") == \
+        dict(kind="word", level="-+", answer="6")
 
 
 def test_unfinished_folder_is_not_a_world(tmp_path):
@@ -40,15 +55,16 @@ def small_world(tmp_path_factory):
 def test_small_world_rates(small_world):
     with open(small_world["stats"]) as f:
         st = json.load(f)
-    assert st["valid_pair_rate"] >= 0.5, st
-    assert st["easy_greedy_accuracy"] >= 0.5, st
-    # the hard set: exactly the candidates with 0 correct of k on the filter's own samples
-    counts, k = st["candidate_correct_counts"], st["settings"]["k"]
-    assert len(counts) == st["candidates"] and all(0 <= c <= k for c in counts)
+    assert st["teacher"]["valid_pair_rate"] >= 0.5, st
+    # the hard set: exactly the candidates with 0 correct of k on the filter's own samples, at least
+    # `need` problems in each half
+    counts, r = st["candidate_correct_counts"], st["recipe"]
+    assert len(counts) == st["candidates"] and all(0 <= c <= r["k"] for c in counts)
     train, test = data.load_problems(small_world["train"]), data.load_problems(small_world["test"])
-    assert len(train) + len(test) == sum(c == 0 for c in counts) == st["hard"] > 0
-    assert abs(len(train) - len(test)) <= 1
+    assert len(train) + len(test) == sum(c == 0 for c in counts) == st["hard"]
+    assert min(len(train), len(test)) >= r["need"] and abs(len(train) - len(test)) <= 1
     assert not {p["question"] for p in train} & {p["question"] for p in test}
+    assert st["fingerprint"] == world.fingerprint(train, test)
 
 
 def test_small_world_model_folder(small_world):
@@ -65,12 +81,31 @@ def test_small_world_model_folder(small_world):
     assert tok(text)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"] == prompt
     # the engines' context holds a teacher prompt + reply and a student prompt + completion
     import rloo
-    q = "What is 12 + 345?"
-    n = rloo.engine_len(tok, [q], student_max_tokens=48, teacher_max_tokens=48)
-    assert n >= len(prompt) + 48 and n >= len(tok(data.student_prompt(q))["input_ids"]) + 48
+    q = world.make_problem(random.Random(0), "word", "----")["question"]
+    n = rloo.engine_len(tok, [q], student_max_tokens=world.MAX_TOKENS, teacher_max_tokens=world.MAX_TOKENS)
+    assert n >= len(prompt) + world.MAX_TOKENS
+    assert n >= len(tok(data.student_prompt(q))["input_ids"]) + world.MAX_TOKENS
+    assert n <= world.MAX_MODEL_LEN
 
 
 def test_small_world_is_reused(small_world):
     mtime = os.path.getmtime(small_world["stats"])
     again = world.build_world(out_dir=os.path.dirname(small_world["stats"]), small=True)
     assert again == small_world and os.path.getmtime(again["stats"]) == mtime
+
+
+def test_same_world_whatever_the_threads(small_world, tmp_path):
+    """A fresh process with other thread settings (OMP_NUM_THREADS=2, where the fixture's ran with
+    the caller's) builds the same world: same hard set (fingerprint), same filter counts."""
+    out = tmp_path / "again"
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "world.py"), "--small", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    with open(small_world["stats"]) as f:
+        a = json.load(f)
+    with open(out / "stats.json") as f:
+        b = json.load(f)
+    assert a["fingerprint"] in p.stdout
+    assert (a["fingerprint"], a["candidate_correct_counts"]) == (b["fingerprint"], b["candidate_correct_counts"])
