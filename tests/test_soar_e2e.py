@@ -89,7 +89,7 @@ def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_
     rng = random.Random(0)
     easy = tmp_path / "easy.jsonl"
     easy.write_text("".join(json.dumps({k: p[k] for k in ("question", "answer")}) + "\n"
-                            for p in (world.make_problem(rng, 2) for _ in range(16))))
+                            for p in (world.make_problem(rng, "add", 1) for _ in range(16))))
     out = tmp_path / "lr0"
     p = soar(out, "--student_lr", "0", "--window", "2", "--tau", "0.4", "--outer_steps", "2", "--train", str(easy))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -137,7 +137,8 @@ def test_one_vocabulary_and_help(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         soar.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--student_lr FLOAT AdamW, cosine over S, no warmup (default 1e-05; built-in world 0.001)" in text
+    assert f"--student_lr FLOAT AdamW, cosine over S, no warmup (default 1e-05; built-in world {world.PRESET['student_lr']})" \
+        in text
     assert "--tau FLOAT promotion threshold on the moving average (default 0.01)" in text
 
 
