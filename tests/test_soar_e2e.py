@@ -82,14 +82,16 @@ def test_other_settings_refused(full_run):
 
 def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_path):
     """student lr 0: every trained student is the baseline, so R == 0 exactly (Acc0 is measured on the
-    same engines and batches as the students), on a Q_R the model partly solves (easy sums). Window 2:
+    same engines and batches as the students), on a Q_R the model solves, so any difference shows: the
+    small world's model is barely trained and answers most sums with 17, so Q_R is sums whose answer is
+    17 (its greedy answers to others are near ties that another CPU may break the other way). Window 2:
     step 0 cannot promote, so no snapshot is kept; step 1 can."""
     import random
     import world
     rng = random.Random(0)
+    sums = [p for p in (world.make_problem(rng, "add", 1) for _ in range(2000)) if p["answer"] == "17"]
     easy = tmp_path / "easy.jsonl"
-    easy.write_text("".join(json.dumps({k: p[k] for k in ("question", "answer")}) + "\n"
-                            for p in (world.make_problem(rng, "add", 1) for _ in range(16))))
+    easy.write_text("".join(json.dumps({k: p[k] for k in ("question", "answer")}) + "\n" for p in sums[:16]))
     out = tmp_path / "lr0"
     p = soar(out, "--student_lr", "0", "--window", "2", "--tau", "0.4", "--outer_steps", "2", "--train", str(easy))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
