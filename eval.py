@@ -45,7 +45,7 @@ class Config:
     world: str = "default"      # the built-in world without --model: default, or small (the tests')
     train: str = ""             # hard train split (question/answer jsonl/parquet); "" = the world's
     test: str = ""              # hard test split; "" = the world's
-    soar: str = "runs/soar"     # a soar.py --out folder: pq.jsonl, student/, teacher/, metrics.jsonl
+    soar: str = "runs/soar"     # a soar.py --out folder: pq.jsonl, student/, teacher/, metrics.jsonl (report: a comma list)
     teacher: str = ""           # teacher HF folder for grounded-t; "" = <soar>/teacher
     intrinsic: str = ""         # the --out folder of a `soar.py --reward learnability` run (intrinsic-t)
     opensir: str = ""           # the --out folder of a `soar.py --reward opensir` run (opensir-t)
@@ -587,26 +587,25 @@ def plot_curves(results: list[dict], path: str) -> bool:
     return True
 
 
-def plot_soar(metrics: list[dict], path: str) -> None:
-    """SOAR's outer loop from its metrics.jsonl: teacher reward Rhat, its moving average, promotions."""
+def plot_soar(runs: dict[str, list[dict]], path: str) -> None:
+    """SOAR's outer loop from each run's metrics.jsonl, a panel per run: teacher reward, its moving
+    average, promotions."""
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    steps = [m["step"] for m in metrics]
-    ax.plot(steps, [m["reward"] for m in metrics], marker=".", label="teacher reward (mean_k R_k)")
-    ma = [(m["step"], m["ma"]) for m in metrics if m["ma"] is not None]
-    ax.plot([s for s, _ in ma], [v for _, v in ma], label="moving average")
-    for m in metrics:
-        if m["promoted"]:
-            ax.axvline(m["step"], color="tab:green", alpha=0.4, lw=1)
-    ax.plot([], [], color="tab:green", alpha=0.4, label="promotion")
-    ax.axhline(0, color="grey", lw=0.5)
-    ax.set_xlabel("outer step")
-    ax.set_ylabel("reward (accuracy gain)")
-    ax.legend(fontsize=7, loc="upper left")
-    ax2 = ax.twinx()
-    ax2.step(steps, [m["promotions"] for m in metrics], where="post", color="tab:red", alpha=0.6)
-    ax2.set_ylabel("promotions", color="tab:red")
-    ax2.set_ylim(0, max(1, metrics[-1]["promotions"]) * 1.05)  # a count: from 0, also when it stays 0
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.2), squeeze=False, sharey=True)
+    for ax, (name, metrics) in zip(axes[0], runs.items()):
+        steps = [m["step"] for m in metrics]
+        ax.plot(steps, [m["reward"] for m in metrics], marker=".", label="teacher reward (mean_k R_k)")
+        ma = [(m["step"], m["ma"]) for m in metrics if m["ma"] is not None]
+        ax.plot([s for s, _ in ma], [v for _, v in ma], label="moving average")
+        for m in metrics:
+            if m["promoted"]:
+                ax.axvline(m["step"], color="tab:green", alpha=0.4, lw=1)
+        ax.plot([], [], color="tab:green", alpha=0.4, label="promotion")
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set_title(f"{name}: {metrics[-1]['promotions']} promotions", fontsize=9)
+        ax.set_xlabel("outer step")
+    axes[0][0].set_ylabel("reward (accuracy gain)")
+    axes[0][0].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -614,8 +613,8 @@ def plot_soar(metrics: list[dict], path: str) -> None:
 
 def cmd_report(cfg: Config, args=()) -> str:
     """report.md in --out (default --runs): a table per test split from every result.json under
-    --runs, the Vendi score of every question set in sight (SOAR's PQ, the teachers' samples), and
-    the plots curves.png (fresh students) and soar.png (SOAR's metrics.jsonl)."""
+    --runs, the Vendi score of every question set in sight (the PQ of each --soar run, the teachers'
+    samples), and the plots curves.png (fresh students) and soar.png (each --soar run's metrics.jsonl)."""
     import matplotlib
     matplotlib.use("Agg")
     out = cfg.out or cfg.runs
@@ -627,24 +626,28 @@ def cmd_report(cfg: Config, args=()) -> str:
     lines = ["# SOAR evaluation", ""]
     for test in sorted({r["test"] for r in results}):
         lines += table(results, test)
-    sets = {"pq": [os.path.join(cfg.soar, "pq.jsonl")]} if os.path.exists(os.path.join(cfg.soar, "pq.jsonl")) else {}
+    soars = [d for d in cfg.soar.split(",") if os.path.exists(os.path.join(d, "metrics.jsonl"))]
+    sets = {"pq": [os.path.join(d, "pq.jsonl") for d in soars]}
     for path in sorted(glob.glob(os.path.join(cfg.runs, "*", "seed*", "questions.jsonl"))):
         sets.setdefault(os.path.basename(os.path.dirname(os.path.dirname(path))), []).append(path)
-    if sets:
-        lines += [f"## Diversity: Vendi score ({cfg.embed} embedding, subsets of {cfg.vendi_subset}, "
-                  f"{cfg.vendi_draws} draws; mean ± std)", "", "| questions | Vendi | n |", "|---|---|---|"]
-        for m in ordered(sets):
-            qs = [q["question"] for p in sets[m] for q in data.read_jsonl(p)]
-            if qs:
-                lines.append("| {} | {:.2f} ± {:.2f} | {} |".format(m, *vendi_of(qs, cfg), len(qs)))
-        lines.append("")
+    rows = []   # a Vendi score per file (a seed's questions), mean ± std over the files
+    for m in ordered(sets):
+        qs = [[q["question"] for q in data.read_jsonl(p)] for p in sets[m] if os.path.exists(p)]
+        scores = [vendi_of(q, cfg)[0] for q in qs if q]
+        if scores:
+            rows.append("| {} | {:.2f} ± {:.2f} | {} | {} |".format(m, *mean_std(scores), len(scores),
+                                                                   sum(map(len, qs))))
+    if rows:
+        lines += [f"## Diversity: Vendi score ({cfg.embed} embedding, mean over {cfg.vendi_draws} subsets of "
+                  f"{cfg.vendi_subset}; mean ± std over seeds)", "", "| questions | Vendi | seeds | n |",
+                  "|---|---|---|---|", *rows, ""]
     if plot_curves(results, os.path.join(out, "curves.png")):
         lines += ["## Test pass@k over fresh-student training", "", "![curves](curves.png)", ""]
-    metrics = data.read_jsonl(os.path.join(cfg.soar, "metrics.jsonl"))
-    if metrics:
-        plot_soar(metrics, os.path.join(out, "soar.png"))
-        lines += [f"## SOAR ({cfg.soar}): {len(metrics)} outer steps, {metrics[-1]['promotions']} promotions", "",
-                  "![soar](soar.png)", ""]
+    if soars:
+        runs = {d: data.read_jsonl(os.path.join(d, "metrics.jsonl")) for d in soars}
+        plot_soar(runs, os.path.join(out, "soar.png"))
+        lines += ["## SOAR's outer loop", "", *(f"- {d}: {len(m)} outer steps, {m[-1]['promotions']} promotions"
+                                              for d, m in runs.items()), "", "![soar](soar.png)", ""]
     text = "\n".join(lines)
     data.write_text(os.path.join(out, "report.md"), text)
     print(text)

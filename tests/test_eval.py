@@ -189,18 +189,19 @@ def test_report_table_and_plots(tmp_path):
               [{"question": f"What is {i} + {seed}?", "answer": "1"} for i in range(20)])
     write(str(runs / "base" / "seed0" / "result.json"), dict(method="base", test="t.jsonl", seed=0,
                                                              passk={"pass@1": 0.005, "pass@32": 0.05}))
-    write(str(soar_dir / "pq.jsonl"), [{"question": "Q one", "answer": "1", "step": 0}])
-    write(str(soar_dir / "metrics.jsonl"), [dict(step=s, reward=0.01 * s, ma=None if s < 2 else 0.01,
-                                                 promoted=s == 3, promotions=int(s >= 3)) for s in range(5)])
-    cfg = ev.Config(runs=str(runs), soar=str(soar_dir), vendi_draws=3)
+    for d in (soar_dir, tmp_path / "soar-s1"):   # SOAR runs of two seeds: a plot panel and a PQ set each
+        write(str(d / "pq.jsonl"), [{"question": "Q one", "answer": "1", "step": 0}])
+        write(str(d / "metrics.jsonl"), [dict(step=s, reward=0.01 * s, ma=None if s < 2 else 0.01,
+                                              promoted=s == 3, promotions=int(s >= 3)) for s in range(5)])
+    cfg = ev.Config(runs=str(runs), soar=f"{soar_dir},{tmp_path / 'soar-s1'}", vendi_draws=3)
     text = ev.cmd_report(cfg)
     lines = text.splitlines()
     assert "| method | pass@1 | pass@32 | seeds | step | non-trivial |" in lines
     rows = [x for x in lines if x.startswith("| base") or x.startswith("| pq")]
     assert rows[0].startswith("| base | 0.5 ± 0.0 | 5.0 ± 0.0 | 1 |")              # the paper's order: base first
     assert rows[1].startswith(f"| pq | 2.0 ± {100 * np.std([0.01, 0.03], ddof=1):.1f} | 20.0 ± 0.0 | 2 | 10")
-    assert any(x.startswith("| grounded-t |") and x.endswith("| 40 |") for x in lines)   # Vendi of both seeds' sets
-    assert any(x.startswith("| pq | 1.00 ± 0.00 | 1 |") for x in lines)
+    assert any(x.startswith("| grounded-t |") and x.endswith("| 2 | 40 |") for x in lines)   # Vendi per seed's set
+    assert "| pq | 1.00 ± 0.00 | 2 | 2 |" in lines and f"- {soar_dir}: 5 outer steps, 1 promotions" in lines
     for png in ("curves.png", "soar.png"):
         assert (runs / png).stat().st_size > 1000
     assert (runs / "report.md").read_text() == text
