@@ -45,7 +45,7 @@ class Config:
     world: str = "default"      # the built-in world without --model: default, or small (the tests')
     train: str = ""             # hard train split (question/answer jsonl/parquet); "" = the world's
     test: str = ""              # hard test split; "" = the world's
-    soar: str = "runs/soar"     # a soar.py --out folder: pq.jsonl, student/, teacher/, metrics.jsonl (report: a comma list)
+    soar: str = "runs/soar"     # a soar.py --out folder (pq.jsonl, student/, ...); report: a comma list of them
     teacher: str = ""           # teacher HF folder for grounded-t; "" = <soar>/teacher
     intrinsic: str = ""         # the --out folder of a `soar.py --reward learnability` run (intrinsic-t)
     opensir: str = ""           # the --out folder of a `soar.py --reward opensir` run (opensir-t)
@@ -63,7 +63,7 @@ class Config:
     # ---- fresh students (METHOD.md "Hyperparameters", "Evaluation protocol") ----
     mode: str = "mixed"         # mixed (HARP, Olympiad) or curriculum (MATH): how synthetic and real combine
     sampler: str = "uniform"    # uniform (shuffled epochs) or leeps: how a fresh student's questions are chosen
-    sept_temperature: float = 0.7   # SePT: the temperature it samples its own training answers at
+    sept_temperature: float = 1.0   # SePT: the temperature of its own answers (best of 0.5/0.7/1.0 on a train half)
     student_steps: int = 1500   # at most; the early-stopping rule usually ends a run before
     switch_step: int = 64       # curriculum: synthetic only for this many steps, then real only
     student_warmup: int = 20    # lr warmup of mixed runs; curriculum runs use 0
@@ -595,8 +595,8 @@ def plot_soar(runs: dict[str, list[dict]], path: str) -> None:
     for ax, (name, metrics) in zip(axes[0], runs.items()):
         steps = [m["step"] for m in metrics]
         ax.plot(steps, [m["reward"] for m in metrics], marker=".", label="teacher reward (mean_k R_k)")
-        ma = [(m["step"], m["ma"]) for m in metrics if m["ma"] is not None]
-        ax.plot([s for s, _ in ma], [v for _, v in ma], label="moving average")
+        ax.plot(steps, [math.nan if m["ma"] is None else m["ma"] for m in metrics], marker="x",
+                label="moving average")   # restarts after a promotion
         for m in metrics:
             if m["promoted"]:
                 ax.axvline(m["step"], color="tab:green", alpha=0.4, lw=1)

@@ -60,4 +60,4 @@ def test_top_level_holds_the_design_card():
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     top = {f.split("/")[0] for f in tracked if not f.startswith(".")}
     assert top == {"soar.py", "rloo.py", "data.py", "eval.py", "world.py", "README.md", "METHOD.md",
-                   "requirements.txt", "run.sh", "tests", "bench"}
+                   "requirements.txt", "run.sh", "tests", "bench", "docs"}
