@@ -511,6 +511,10 @@ def resolve(cfg):
     import rloo
     rloo.init_distributed()
     paths = build_world_all_ranks(small=cfg.world == "small")
+    if rloo.dist.get_rank() == 0:
+        st = data.read_json(paths["stats"])
+        print(f"built-in world ({cfg.world}): fingerprint {st['fingerprint']}, {st['train']} train / {st['test']} test "
+              "hard problems", flush=True)
     return dataclasses.replace(cfg, model=paths["model"], **{k: getattr(cfg, k) or paths[k] for k in ("train", "test")
                                                              if hasattr(cfg, k)})
 
