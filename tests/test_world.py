@@ -48,8 +48,10 @@ def test_unfinished_folder_is_not_a_world(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def small_world(tmp_path_factory):
-    return world.build_world(out_dir=str(tmp_path_factory.mktemp("world") / "small"), small=True)
+def small_world():
+    """the small world in its cache (.cache/), the one the end-to-end tests use: built afresh on a clean
+    checkout (CI), and again below in another process with other threads"""
+    return world.build_world(small=True)
 
 
 def test_small_world_rates(small_world):
