@@ -333,7 +333,8 @@ def train_run(cfg: Config, seed: int, method: str, synthetic, real, test, llm, m
             source, pool, idx = batch_at(step, synthetic, real, cfg, seed)
             portfolio = None
             if cfg.sampler == "leeps":   # its history: the metrics rows of earlier steps on this pool
-                emb.setdefault(source, data.embed_ngram([q["question"] for q in pool]))
+                if source not in emb:   # once per pool, not every step
+                    emb[source] = data.embed_ngram([q["question"] for q in pool])
                 idx, portfolio = leeps(len(pool), emb[source], [m for m in metrics if m["source"] == source],
                                        cfg.student_questions, random.Random(f"{seed}/leeps/{step}"))
             sampler_s = time.perf_counter() - t0
@@ -626,13 +627,13 @@ def cmd_report(cfg: Config, args=()) -> str:
     lines = ["# SOAR evaluation", ""]
     for test in sorted({r["test"] for r in results}):
         lines += table(results, test)
-    soars = [d for d in cfg.soar.split(",") if os.path.exists(os.path.join(d, "metrics.jsonl"))]
-    sets = {"pq": [os.path.join(d, "pq.jsonl") for d in soars]}
+    runs = {d: m for d in cfg.soar.split(",") if (m := data.read_jsonl(os.path.join(d, "metrics.jsonl")))}
+    sets = {"pq": [os.path.join(d, "pq.jsonl") for d in runs]}
     for path in sorted(glob.glob(os.path.join(cfg.runs, "*", "seed*", "questions.jsonl"))):
         sets.setdefault(os.path.basename(os.path.dirname(os.path.dirname(path))), []).append(path)
     rows = []   # a Vendi score per file (a seed's questions), mean ± std over the files
     for m in ordered(sets):
-        qs = [[q["question"] for q in data.read_jsonl(p)] for p in sets[m] if os.path.exists(p)]
+        qs = [[q["question"] for q in data.read_jsonl(p)] for p in sets[m]]
         scores = [vendi_of(q, cfg)[0] for q in qs if q]
         if scores:
             rows.append("| {} | {:.2f} ± {:.2f} | {} | {} |".format(m, *mean_std(scores), len(scores),
@@ -643,8 +644,7 @@ def cmd_report(cfg: Config, args=()) -> str:
                   "|---|---|---|---|", *rows, ""]
     if plot_curves(results, os.path.join(out, "curves.png")):
         lines += ["## Test pass@k over fresh-student training", "", "![curves](curves.png)", ""]
-    if soars:
-        runs = {d: data.read_jsonl(os.path.join(d, "metrics.jsonl")) for d in soars}
+    if runs:   # the SOAR runs with at least one finished step
         plot_soar(runs, os.path.join(out, "soar.png"))
         lines += ["## SOAR's outer loop", "", *(f"- {d}: {len(m)} outer steps, {m[-1]['promotions']} promotions"
                                               for d, m in runs.items()), "", "![soar](soar.png)", ""]
