@@ -193,7 +193,8 @@ def test_report_table_and_plots(tmp_path):
         write(str(d / "pq.jsonl"), [{"question": "Q one", "answer": "1", "step": 0}])
         write(str(d / "metrics.jsonl"), [dict(step=s, reward=0.01 * s, ma=None if s < 2 else 0.01,
                                               promoted=s == 3, promotions=int(s >= 3)) for s in range(5)])
-    cfg = ev.Config(runs=str(runs), soar=f"{soar_dir},{tmp_path / 'soar-s1'}", vendi_draws=3)
+    write(str(tmp_path / "soar-new" / "metrics.jsonl"), [])   # a run before its first step: left out
+    cfg = ev.Config(runs=str(runs), soar=f"{soar_dir},{tmp_path / 'soar-s1'},{tmp_path / 'soar-new'}", vendi_draws=3)
     text = ev.cmd_report(cfg)
     lines = text.splitlines()
     assert "| method | pass@1 | pass@32 | seeds | step | non-trivial |" in lines
@@ -202,12 +203,13 @@ def test_report_table_and_plots(tmp_path):
     assert rows[1].startswith(f"| pq | 2.0 ± {100 * np.std([0.01, 0.03], ddof=1):.1f} | 20.0 ± 0.0 | 2 | 10")
     assert any(x.startswith("| grounded-t |") and x.endswith("| 2 | 40 |") for x in lines)   # Vendi per seed's set
     assert "| pq | 1.00 ± 0.00 | 2 | 2 |" in lines and f"- {soar_dir}: 5 outer steps, 1 promotions" in lines
+    assert not any("soar-new" in x for x in lines)
     for png in ("curves.png", "soar.png"):
         assert (runs / png).stat().st_size > 1000
     assert (runs / "report.md").read_text() == text
 
 
-def test_parse_args_world_defaults_and_paper_settings():
+def test_parse_args_world_defaults_and_paper_settings(tmp_path):
     cmd, args, cfg = ev.parse_args(["row", "base", "pq", "--seeds", "0,1"])
     assert (cmd, args, cfg.model, cfg.student_steps) == ("row", ["base", "pq"], "", world.PRESET["student_steps"])
     _, _, paper = ev.parse_args(["row", "pq", "--model", "m", "--mode", "curriculum"])
@@ -220,8 +222,10 @@ def test_parse_args_world_defaults_and_paper_settings():
                 ["train", "--synthetic", "q.jsonl", "--name", "pq"]):
         with pytest.raises(SystemExit):
             ev.parse_args(bad)
-    with pytest.raises(SystemExit, match="missing inputs"):        # fails fast, before any world or engine
-        ev.main(["row", "pq", "ps", "--soar", "/nonexistent"])
+    # fails fast, before any world or engine; --runs not ./runs, where rows the README's commands
+    # finished are not run again and need no inputs
+    with pytest.raises(SystemExit, match="missing inputs"):
+        ev.main(["row", "pq", "ps", "--soar", "/nonexistent", "--runs", str(tmp_path / "runs")])
 
 
 def test_soar_output_of_another_base_model_is_refused(tmp_path):
