@@ -220,6 +220,9 @@ def _pool_map(kind: str, items: list[tuple], on_timeout) -> list:
     return out
 
 
+_INT = re.compile(r"-?\d{1,18}")   # a plain integer, short enough that int() is instant
+
+
 def grade(completions: list[str], golds: list[str]) -> list[float]:
     """student_reward for a batch, safely: a pathological answer costs at most DEADLINE_S of one worker
     and is graded as a wrong boxed answer (R_BOXED). The reward depends on (last boxed answer, gold)
@@ -227,12 +230,16 @@ def grade(completions: list[str], golds: list[str]) -> list[float]:
     if len(completions) != len(golds):
         raise ValueError(f"grade: {len(completions)} completions but {len(golds)} gold answers")
     keys = [(last_boxed(c), g) for c, g in zip(completions, golds)]
-    first = {}  # distinct pair -> its first completion; no box: R_NONE, no worker needed
-    for i, k in enumerate(keys):
-        if k[0] is not None:
-            first.setdefault(k, i)
+    first, graded = {}, {}  # distinct pair -> its first completion; no box: R_NONE, no worker needed
+    for i, (boxed, gold) in enumerate(keys):
+        if boxed is not None and _INT.fullmatch(boxed.strip()) and _INT.fullmatch(gold.strip()):
+            # two plain integers: math-verify's verdict without a worker (what it says for them, tested)
+            graded[boxed, gold] = R_CORRECT if int(boxed) == int(gold) else \
+                R_CONTAINS if gold.strip() in boxed else R_BOXED
+        elif boxed is not None:
+            first.setdefault((boxed, gold), i)
     before = sum(GRADING_FAULTS.values())
-    graded = dict(zip(first, _pool_map("reward", [(completions[i], golds[i]) for i in first.values()], R_BOXED)))
+    graded |= dict(zip(first, _pool_map("reward", [(completions[i], golds[i]) for i in first.values()], R_BOXED)))
     failed = sum(GRADING_FAULTS.values()) - before
     if failed > WARN_FAULT_SHARE * len(first):
         print(f"grade: {failed} of {len(first)} distinct answers timed out or crashed their grading worker; "
@@ -444,8 +451,16 @@ def embed(texts: list[str], how: str = "ngram") -> np.ndarray:
     return embed_ngram(texts) if how == "ngram" else embed_hf(texts, how)
 
 
+def parse_args(argv=None):
+    import argparse
+    p = argparse.ArgumentParser(prog="data.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="math, harp or olympiad (from the hub), or a .jsonl / .parquet / .zip file")
+    p.add_argument("out", help="the .jsonl file to write")
+    return p.parse_args(argv)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit(__doc__)
-    write_jsonl(sys.argv[2], load_problems(sys.argv[1]))
-    print(f"wrote {sys.argv[2]}")
+    a = parse_args()
+    write_jsonl(a.out, load_problems(a.source))
+    print(f"wrote {a.out}")

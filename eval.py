@@ -47,8 +47,9 @@ class Config:
     test: str = ""              # hard test split; "" = the world's
     soar: str = "runs/soar"     # a soar.py --out folder (pq.jsonl, student/, ...); report: a comma list of them
     teacher: str = ""           # teacher HF folder for grounded-t; "" = <soar>/teacher
-    intrinsic: str = ""         # the --out folder of a `soar.py --reward learnability` run (intrinsic-t)
-    opensir: str = ""           # the --out folder of a `soar.py --reward opensir` run (opensir-t)
+    intrinsic: str = ""         # the --out folder of a `soar.py --reward learnability` run (intrinsic-t); report: a list
+    opensir: str = ""           # the --out folder of a `soar.py --reward opensir` run (opensir-t); report: a list
+    labels: str = ""            # pq-correct, pq-wellposed with --model: jsonl of the PQ's question, correct, well_posed
     extra: str = ""             # curated real questions for the upper-bound rows (e.g. MATH train)
     synthetic: str = ""         # `train`: the question set to add to the hard train split
     name: str = ""              # `train`: the method name (run folder and report row)
@@ -108,6 +109,8 @@ ROWS = {
     "intrinsic-t": "fresh student on 128 questions of the learnability teacher (<intrinsic>/teacher) + hard train",
     "base-t": "fresh student on 128 questions of the base model as teacher + hard train",
     "pq": "fresh student on SOAR's promotion questions (<soar>/pq.jsonl) + hard train",
+    "pq-correct": "the same on the promotion questions whose answers are correct (world.describe, or --labels)",
+    "pq-wellposed": "the same on the well-posed promotion questions, answers correct or not (or --labels)",
     "ps": "SOAR's promoted student (<soar>/student), inference only",
     "grounded-t": "fresh student on 128 questions of SOAR's teacher (<soar>/teacher) + hard train",
     "opensir-t": "fresh student on 128 questions of the OpenSIR-style teacher (<opensir>/teacher) + hard train",
@@ -122,7 +125,7 @@ def parse_args(argv=None) -> tuple[str, list[str], Config]:
                            epilog="rows:\n" + "\n".join(f"  {k:14} {v}" for k, v in ROWS.items()))
     p.add_argument("command", choices=list(COMMANDS))
     p.add_argument("args", nargs="*", help="filter: pools; row: methods; sample-teacher: a teacher; vendi: files")
-    a = vars(p.parse_args(argv))
+    a = vars(p.parse_intermixed_args(argv))   # options anywhere: before, between and after the rows
     command, args, cfg = a["command"], a["args"], rloo.config_from(Config, a, world.PRESET)
     if cfg.mode not in ("mixed", "curriculum") or cfg.sampler not in ("uniform", "leeps"):
         p.error(f"--mode must be mixed or curriculum and --sampler uniform or leeps, not {cfg.mode!r}, {cfg.sampler!r}")
@@ -152,6 +155,27 @@ def mean_passk(counts: list[int], n: int, ks=KS) -> dict:
 def mean_std(xs: list[float]) -> tuple[float, float]:
     """mean and sample std (ddof 1) over seeds; std 0 for one seed"""
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def paired_ci(diffs: list[float], draws: int = 10000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean of paired differences (one per seed; seeds drawn with
+    replacement)."""
+    d = np.asarray(diffs, float)
+    means = d[np.random.default_rng(seed).integers(0, len(d), (draws, len(d)))].mean(1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def slope_ci(curves: list[list[float]], draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """The least-squares slope of y over its index, pooled over curves (one per seed), and its 95%
+    bootstrap CI over curves (a seed's steps are not independent of each other, so seeds are resampled)."""
+    def slope(cs):
+        x = np.concatenate([np.arange(len(c)) for c in cs])
+        y = np.concatenate([np.asarray(c, float) for c in cs])
+        return float(np.polyfit(x, y, 1)[0]) if len(set(x)) > 1 else 0.0
+    rng = np.random.default_rng(seed)
+    boot = [slope([curves[i] for i in rng.integers(0, len(curves), len(curves))]) for _ in range(draws)]
+    return slope(curves), *map(float, np.quantile(boot, [0.025, 0.975]))
 
 
 def early_stop(rewards: list[float], window: int = 25, fraction: float = 0.15) -> int | None:
@@ -415,14 +439,17 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
     teachers = {"grounded-t": cfg.teacher or os.path.join(cfg.soar, "teacher"), "base-t": "",
                 "intrinsic-t": os.path.join(cfg.intrinsic, "teacher") if cfg.intrinsic else "--intrinsic",
                 "opensir-t": os.path.join(cfg.opensir, "teacher") if cfg.opensir else "--opensir"}
-    inputs = {**teachers, "pq": os.path.join(cfg.soar, "metrics.jsonl"), "ps": os.path.join(cfg.soar, "student"),
-              "upper": cfg.extra or "--extra", "upper-128": cfg.extra or "--extra"}
+    pq_path = os.path.join(cfg.soar, "pq.jsonl")   # empty until a promotion
+    inputs = {**teachers, "pq": pq_path, "ps": os.path.join(cfg.soar, "student"), "upper": cfg.extra or "--extra",
+              "upper-128": cfg.extra or "--extra"}
+    for m in ("pq-correct", "pq-wellposed"):   # the built-in world labels its own questions
+        inputs[m] = (cfg.labels or "--labels") if cfg.model else pq_path
     missing = {m: inputs[m] for m in methods if inputs.get(m) and not os.path.exists(inputs[m])}
     if missing:
         raise SystemExit(f"missing inputs (method: path or flag): {missing}")
     cfg = world.resolve(cfg)
     teachers["base-t"] = cfg.model
-    ckpts = rloo.ckpt_dirs(cfg.soar) if set(methods) & {"pq", "ps", "grounded-t"} else []
+    ckpts = rloo.ckpt_dirs(cfg.soar) if any(m in ("ps", "grounded-t") or m.startswith("pq") for m in methods) else []
     if ckpts:   # SOAR's outputs only mean something against the base model SOAR started from
         with open(os.path.join(ckpts[-1], "state.json")) as f:
             soar_model = json.load(f)["config"]["model"]
@@ -432,8 +459,7 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
         raise SystemExit("--train and --test are required with --model: the fail@128 train and test splits")
     hard, test = data.load_problems(cfg.train), data.load_problems(cfg.test)
     extra = data.load_problems(cfg.extra) if any(m.startswith("upper") for m in methods) else []
-    pq_path = os.path.join(cfg.soar, "pq.jsonl")   # empty until a promotion
-    pq = data.load_problems(pq_path) if "pq" in methods and os.path.exists(pq_path) else []
+    pq = data.load_problems(pq_path) if any(m.startswith("pq") for m in methods) else []
     custom = data.load_problems(cfg.synthetic) if cfg.synthetic else []
     mesh, tok, llm = setup(cfg, [hard, test, extra, pq, custom], teacher=bool(set(methods) & set(teachers)))
     say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
@@ -444,8 +470,9 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
             if done(cfg, method, seed):
                 say(f"{out}: finished already")
                 continue
-            if method == "pq" and not pq:
-                say(f"pq: skipped, {cfg.soar} has no promotion questions yet (no promotion)", flush=True)
+            synthetic = pq if method == "pq" else pq_subset(pq, method[3:], cfg) if method.startswith("pq-") else None
+            if synthetic == []:
+                say(f"{method}: skipped, {cfg.soar} has no such promotion questions yet", flush=True)
                 continue
             if method in ("base", "ps"):
                 path = cfg.model if method == "base" else os.path.join(cfg.soar, "student")
@@ -461,11 +488,26 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
                 elif method.startswith("upper"):
                     synthetic = extra if method == "upper" else \
                         random.Random(f"{seed}/upper").sample(extra, min(cfg.teacher_questions, len(extra)))
-                else:
-                    synthetic = pq if method == "pq" else [] if method in ROWS else custom
+                elif synthetic is None:
+                    synthetic = [] if method in ROWS else custom
                 res = train_run(cfg, seed, method, synthetic, hard, test, llm, mesh, out)
             say(f"{method} seed {seed}: " + "  ".join(f"{k} {100 * v:.1f}%" for k, v in res["passk"].items()),
                 flush=True)
+
+
+def pq_subset(pq: list[dict], which: str, cfg: Config) -> list[dict]:
+    """The promotion questions of row pq-correct (`which` "correct": the answer is right) or pq-wellposed
+    ("wellposed": a complete, solvable problem, its answer right or not; the paper's appendix C.5). Labels
+    from --labels (a jsonl with question, correct and well_posed, e.g. from a judge model), else from the
+    built-in world, which reads its own problems back (world.describe)."""
+    key = "correct" if which == "correct" else "well_posed"
+    if not cfg.labels:
+        return [q for q in pq if world.describe(q["question"], q["answer"])[key]]
+    labels = {r["question"]: r for r in data.read_jsonl(cfg.labels)}
+    if missing := [q["question"] for q in pq if key not in labels.get(q["question"], {})]:
+        raise ValueError(f"{cfg.labels} has no {key!r} label for {len(missing)} promotion questions, "
+                         f"e.g. {missing[0]!r}")
+    return [q for q in pq if labels[q["question"]][key]]
 
 
 def cmd_sample_teacher(cfg: Config, args: list[str]) -> None:
@@ -538,11 +580,13 @@ def ordered(methods) -> list[str]:
 
 def table(results: list[dict], test: str) -> list[str]:
     """Tables 4-6: rows = methods (the paper's order), columns = pass@k in %, mean ± std over seeds,
+    the difference of the largest k's pass@k to Hard-Only's, paired by seed, with its 95% bootstrap CI,
     and the step the row's number comes from (early-stopping step, fixed step, or the last window)."""
     rs = [r for r in results if r["test"] == test]
     ks = sorted({k for r in rs for k in r["passk"]}, key=lambda k: int(k[5:]))
-    lines = [f"## pass@k (%) on `{test}`", "", "| method | " + " | ".join(ks) + " | seeds | step | non-trivial |",
-             "|---|" + "---|" * (len(ks) + 3)]
+    ref = {r["seed"]: r["passk"][ks[-1]] for r in rs if r["method"] == "hard-only"}
+    lines = [f"## pass@k (%) on `{test}`", "", "| method | " + " | ".join(ks) + f" | {ks[-1]} - Hard-Only [95% CI] "
+             "| seeds | step | non-trivial |", "|---|" + "---|" * (len(ks) + 4)]
     for m in ordered({r["method"] for r in rs}):
         mr = [r for r in rs if r["method"] == m]
         cells = ["{:.1f} ± {:.1f}".format(*mean_std([100 * r["passk"][k] for r in mr if k in r["passk"]])) for k in ks]
@@ -550,7 +594,10 @@ def table(results: list[dict], test: str) -> list[str]:
         step = f"{statistics.fmean(steps):.0f} ({mr[0]['rule']})" if steps else "-"
         shares = [100 * r["nontrivial_share"] for r in mr if r.get("nontrivial_share") is not None]
         share = "{:.0f} ± {:.0f}%".format(*mean_std(shares)) if shares else "-"   # question groups with a reward signal
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {len(mr)} | {step} | {share} |")
+        diffs = [100 * (r["passk"][ks[-1]] - ref[r["seed"]]) for r in mr if r["seed"] in ref and ks[-1] in r["passk"]]
+        delta = "{:+.1f} [{:+.1f}, {:+.1f}]".format(statistics.fmean(diffs), *paired_ci(diffs)) \
+            if diffs and m != "hard-only" else "-"
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {delta} | {len(mr)} | {step} | {share} |")
     return lines + [""]
 
 
@@ -612,6 +659,76 @@ def plot_soar(runs: dict[str, list[dict]], path: str) -> None:
     plt.close(fig)
 
 
+def teacher_runs(cfg: Config) -> dict[str, dict]:
+    """The soar.py runs named by --soar, --intrinsic and --opensir (comma lists) that have a finished
+    step: their teacher reward (from the run's config), metrics and questions."""
+    runs = {}
+    for d in ",".join(x for x in (cfg.soar, cfg.intrinsic, cfg.opensir) if x).split(","):
+        metrics, ckpts = data.read_jsonl(os.path.join(d, "metrics.jsonl")), rloo.ckpt_dirs(d)
+        if metrics and ckpts:
+            runs[d] = dict(reward=data.read_json(os.path.join(ckpts[-1], "state.json"))["config"]["reward"],
+                           metrics=metrics, questions=data.read_jsonl(os.path.join(d, "questions.jsonl")))
+    return runs
+
+
+def curriculum(questions: list[dict]) -> dict[int, dict[str, float]]:
+    """per outer step, the share of each world.CATEGORIES among the teacher's questions"""
+    per = {}
+    for q in questions:
+        per.setdefault(q["step"], []).append(world.describe(q["question"], q["answer"])["category"])
+    return {s: {c: cs.count(c) / len(cs) for c in world.CATEGORIES} for s, cs in sorted(per.items())}
+
+
+def teacher_learning(runs: dict[str, dict]) -> list[str]:
+    """Does the teacher learn? Per teacher reward, over its runs (seeds): (a) the share of steps before
+    the first promotion whose g datasets got different rewards (else the RLOO gradient is 0); (b) the
+    slope of the step reward Rhat over steps, pooled, with a 95% bootstrap CI over seeds; (c) the share
+    of world.USEFUL questions in the first and the last quarter of the steps."""
+    lines = ["| teacher reward | runs | steps | (a) steps with reward variance, before the 1st promotion | "
+             "(b) slope of Rhat per step [95% CI] | (c) useful share, first -> last quarter |", "|---|---|---|---|---|---|"]
+    for reward in sorted({r["reward"] for r in runs.values()}):
+        rs = [r for r in runs.values() if r["reward"] == reward]
+        before = [m for r in rs for m in r["metrics"][:next((i for i, m in enumerate(r["metrics"]) if m["promoted"]),
+                                                             len(r["metrics"]))]]
+        a = statistics.fmean(len(set(m["R_k"])) > 1 for m in before) if before else math.nan
+        b = slope_ci([[m["reward"] for m in r["metrics"]] for r in rs])
+        first, last = [], []
+        for r in rs:
+            shares = [sum(v[c] for c in world.USEFUL) for v in curriculum(r["questions"]).values()]
+            q = max(1, len(shares) // 4)
+            first, last = first + [statistics.fmean(shares[:q])], last + [statistics.fmean(shares[-q:])]
+        c = "{:.0%} ± {:.0%} -> {:.0%} ± {:.0%}".format(*mean_std(first), *mean_std(last)) if first else "-"
+        lines.append(f"| {reward} | {len(rs)} | {min(len(r['metrics']) for r in rs)} | {a:.0%} of {len(before)} | "
+                     "{:+.4f} [{:+.4f}, {:+.4f}] | {} |".format(*b, c))
+    return lines
+
+
+def plot_curriculum(runs: dict[str, dict], path: str) -> None:
+    """What the teacher wrote over the outer steps: the share of each world.CATEGORIES among its
+    questions, a row per teacher reward and a panel per run (seed)."""
+    import matplotlib.pyplot as plt
+    rewards = sorted({r["reward"] for r in runs.values()})
+    by = {w: [(d, r) for d, r in runs.items() if r["reward"] == w] for w in rewards}
+    cols = max(map(len, by.values()))
+    fig, axes = plt.subplots(len(rewards), cols, figsize=(3.2 * cols, 2.6 * len(rewards)), squeeze=False,
+                             sharex=True, sharey=True)
+    for i, w in enumerate(rewards):
+        for j, (d, r) in enumerate(by[w]):
+            cur = curriculum(r["questions"])
+            axes[i][j].stackplot(list(cur), *[[v[c] for v in cur.values()] for c in world.CATEGORIES],
+                                 labels=world.CATEGORIES, alpha=0.8)
+            axes[i][j].set_title(f"{w}: {os.path.basename(d)}", fontsize=8)
+        for ax in axes[i][len(by[w]):]:
+            ax.axis("off")
+        axes[i][0].set_ylabel("share of questions")
+    for ax in axes[-1]:
+        ax.set_xlabel("outer step")
+    axes[0][0].legend(fontsize=6, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def cmd_report(cfg: Config, args=()) -> str:
     """report.md in --out (default --runs): a table per test split from every result.json under
     --runs, the Vendi score of every question set in sight (the PQ of each --soar run, the teachers'
@@ -648,6 +765,12 @@ def cmd_report(cfg: Config, args=()) -> str:
         plot_soar(runs, os.path.join(out, "soar.png"))
         lines += ["## SOAR's outer loop", "", *(f"- {d}: {len(m)} outer steps, {m[-1]['promotions']} promotions"
                                               for d, m in runs.items()), "", "![soar](soar.png)", ""]
+    teachers = teacher_runs(cfg)
+    if teachers:
+        lines += ["## Does the teacher learn?", "", *teacher_learning(teachers), ""]
+    if any(world.describe(q["question"])["well_posed"] for r in teachers.values() for q in r["questions"]):
+        plot_curriculum(teachers, os.path.join(out, "curriculum.png"))   # the built-in world's questions
+        lines += ["## What the teachers wrote (built-in world)", "", "![curriculum](curriculum.png)", ""]
     text = "\n".join(lines)
     data.write_text(os.path.join(out, "report.md"), text)
     print(text)

@@ -15,6 +15,7 @@ go round-robin to the groups, which shard them over their ranks, sample on their
 their students in turn. At the paper's settings on 32 GPUs: 16 groups of 2 GPUs, one student each.
 
 Outputs in --out: metrics.jsonl (one line per outer step), pq.jsonl (promotion questions),
+questions.jsonl (every valid pair the teacher wrote, with its step, dataset k and R_k),
 teacher/ and student/ (HF folders of the current teacher and baseline student), ckpt/ (resume).
 """
 import dataclasses
@@ -81,6 +82,7 @@ OPENSIR_BAND = (0.1, 0.9)   # calibrated: the baseline student solves the questi
 OPENSIR_DIVERSITY = 0.5     # weight of novelty, 1 - the highest cosine similarity to an archived question
 OPENSIR_ARCHIVE = 1024      # the teacher's latest valid questions (earlier steps) that novelty is measured against
 
+OUTPUTS = ("metrics.jsonl", "pq.jsonl", "questions.jsonl")   # the rows a step commits (commit_step)
 # settings a resumed run may change without invalidating its checkpoint
 MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpointing", "gpu_memory_utilization",
               "save_every"}
@@ -218,7 +220,10 @@ def main(cfg: Config):
                    **{k: round(v, 3) for k, v in rloo.TIMES.items()}, total=round(time.perf_counter() - t_step, 3))
         row.update(counts(cfg, run))
         pq_rows = [{"question": q, "answer": a, "step": step} for q, a in datasets[chosen[0]]] if chosen else []
-        commit_step(cfg, run, state, theta, {"metrics.jsonl": [row], "pq.jsonl": pq_rows}, promoted=bool(chosen))
+        q_rows = [{"question": q, "answer": a, "step": step, "k": k, "R_k": R_k[k]}   # the curriculum, every pair
+                  for k, X in enumerate(datasets) for q, a in X]
+        commit_step(cfg, run, state, theta, {"metrics.jsonl": [row], "pq.jsonl": pq_rows, "questions.jsonl": q_rows},
+                    promoted=bool(chosen))
         if rank == 0:
             bar.write(f"step {step + 1}/{cfg.outer_steps}  reward {reward:+.3f}  MA {'-' if ma is None else f'{ma:+.3f}'}"
                       f"  promotions {state['promotions']}  valid {len(kept) / sampled:.0%}  {row['total']:.0f} s")
@@ -353,12 +358,10 @@ def setup(cfg: Config) -> Run | None:
         raise SystemExit("soar.py: these settings cannot work:\n  " + "\n  ".join(problems))
     ckpt, state = rloo.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
     state = state or dict(step=0, history=[], promotions=0, pq=0, rows={}, archive=[])
-    if rank == 0:   # the files hold exactly the committed steps: later rows go, the last step's come back
-        for name in ("metrics.jsonl", "pq.jsonl"):   # (so an empty pq.jsonl exists before any promotion)
-            path, rows = os.path.join(cfg.out, name), state["rows"].get(name, [])
-            data.truncate_jsonl(path, state["step"])
-            if rows and not any(r["step"] == rows[0]["step"] for r in data.read_jsonl(path)):
-                data.append_jsonl(path, rows)   # committed, then killed before they were appended
+    if rank == 0:   # the files hold exactly the committed steps: the last one's rows come from the checkpoint
+        for name in OUTPUTS:   # (a kill may have cut their append short; an empty pq.jsonl before any promotion)
+            data.truncate_jsonl(os.path.join(cfg.out, name), max(0, state["step"] - 1))
+            data.append_jsonl(os.path.join(cfg.out, name), state["rows"].get(name, []))
     if state["step"] >= cfg.outer_steps:
         if rank == 0:
             print(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
@@ -406,8 +409,8 @@ def counts(cfg: Config, run: Run) -> dict:
 
 def commit_step(cfg: Config, run: Run, state: dict, theta, rows: dict, promoted: bool) -> None:
     """Nothing in --out gets ahead of the checkpoint: first the checkpoint, which commits the step and
-    holds its new metrics and PQ rows; then those rows go into metrics.jsonl and pq.jsonl (a resume
-    puts back any a kill left out); then, every save_every steps and at the end, the HF folders
+    holds its new rows; then those rows go into the OUTPUTS files (a resume puts back any a kill
+    left out); then, every save_every steps and at the end, the HF folders
     teacher/ and student/ (student/ only when theta changed since it was written)."""
     state["rows"] = rows
     rloo.restore(run.student, theta)   # the checkpoint and outputs hold the baseline, not the last student trained

@@ -190,6 +190,25 @@ def classify(question: str) -> dict | None:
     return dict(kind="word", level=signs, answer=str(v))
 
 
+# The curriculum as the report shows it (eval.py report): what the teacher's questions are, by this
+# world's design. Only the report reads this; nothing in soar.py knows it, and the teacher sees only its prompt.
+CATEGORIES = ("not of the family", "bare sum", "word, no 'gives away'", "word, with 'gives away'")
+USEFUL = ("word, with 'gives away'",)   # the skill the hard set needs: reading "gives away x" as "- x"
+
+
+def describe(question: str, answer: str | None = None) -> dict:
+    """A teacher's question read back: well-posed (a problem of the family), its kind, number of steps,
+    "gives away" steps, report category, and whether `answer` (the teacher's boxed answer) is correct."""
+    c = classify(question)
+    if c is None:
+        return dict(well_posed=False, kind=None, steps=0, gives_away=0, category=CATEGORIES[0], correct=False)
+    word = c["kind"] == "word"
+    steps, away = (len(c["level"]), c["level"].count("-")) if word else (1, 0)
+    category = CATEGORIES[1] if not word else CATEGORIES[3] if away else CATEGORIES[2]
+    return dict(well_posed=True, kind=c["kind"], steps=steps, gives_away=away, category=category,
+                correct=answer is not None and answer.strip() == c["answer"])
+
+
 def draw(rng: random.Random, mix: list, steps=(1, 1, 1)) -> dict:
     """a problem from a mix [(kind, level, weight), ...]; steps: weights of "+", "-", "f" in "?n" levels"""
     kind, level, _ = rng.choices(mix, weights=[w for *_, w in mix])[0]
@@ -488,7 +507,7 @@ def build_world_all_ranks(small: bool = False) -> dict:
     return paths or build_world(small=small)
 
 
-def describe(paths: dict) -> str:
+def summary(paths: dict) -> str:
     with open(paths["stats"]) as f:
         st = json.load(f)
     t = st["teacher"]
@@ -530,7 +549,7 @@ def main():
         data.die_with_parent()
         name = "small" if a.small else "default"
         return _build_here(a.out, RECIPES[name], a.seed, key=build_key(a.small, a.seed), small=a.small)
-    print(describe(build_world(a.out, a.small, a.seed)))
+    print(summary(build_world(a.out, a.small, a.seed)))
 
 
 if __name__ == "__main__":

@@ -83,8 +83,8 @@ def matmul_tflops(dev) -> float | None:
     return 10 * 2 * 8192 ** 3 / t / 1e12
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=SHAPES, default="tiny")
     ap.add_argument("--rollouts", type=int)
     ap.add_argument("--prompt-len", type=int)
@@ -96,7 +96,11 @@ def main():
     ap.add_argument("--train-only", action="store_true", help="no vLLM: the train step alone (the engine's "
                     "share of GPU memory is held back all the same)")
     ap.add_argument("--workdir", default="/tmp/bench_rloo")
-    args = ap.parse_args()
+    return ap
+
+
+def main():
+    args = parser().parse_args()
     rollouts, plen, glen, mbt, ac = DEFAULTS[args.shape]
     rollouts, plen, glen = args.rollouts or rollouts, args.prompt_len or plen, args.gen_len or glen
     mbt, ac = args.micro_batch_tokens or mbt, ac and not args.no_activation_checkpointing

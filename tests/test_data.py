@@ -96,7 +96,13 @@ def test_grade_sends_each_distinct_pair_once(monkeypatch):
     comps = ["so \\boxed{4}", "\\boxed{4}", "no box", "\\boxed{0.5}", "\\boxed{4}", "\\boxed{0.5}"]
     golds = ["4", "4", "4", "1/2", "5", "1/2"]
     assert data.grade(comps, golds) == [data.student_reward(c, g) for c, g in zip(comps, golds)]
-    assert sent == [("so \\boxed{4}", "4"), ("\\boxed{0.5}", "1/2"), ("\\boxed{4}", "5")]
+    assert sent == [("\\boxed{0.5}", "1/2")]   # plain integers are compared without a worker
+
+
+def test_integer_pairs_graded_as_math_verify_grades_them():
+    ints = ["0", "-0", "7", "07", "-7", "12", "112", "121", "-12", "1200", "999999999999999999"]
+    pairs = [(f"so \\boxed{{{b}}}.", g) for b in ints + [" 12 ", "12.0", "1,2"] for g in ints]
+    assert data.grade(*zip(*pairs)) == [data.student_reward(c, g) for c, g in pairs]
 
 
 def test_grade_length_mismatch():

@@ -155,6 +155,31 @@ def test_batches_mixed_and_curriculum():
     assert all(q in real for q in batch(3, syn, real, cur, 0)[1])
 
 
+def test_paired_ci_and_pooled_slope():
+    lo, hi = ev.paired_ci([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert 1.0 <= lo < 3.0 < hi <= 5.0
+    assert ev.paired_ci([2.0] * 5) == (2.0, 2.0)                          # no spread, no width
+    assert ev.paired_ci([-1.0, 1.0, -1.0, 1.0, 0.5])[0] < 0 < ev.paired_ci([-1.0, 1.0, -1.0, 1.0, 0.5])[1]
+    rising = [[0.1 * t + e for t, e in enumerate(noise)] for noise in np.random.default_rng(0).normal(0, 0.2, (5, 40))]
+    slope, lo, hi = ev.slope_ci(rising)
+    assert 0 < lo < slope < hi and slope == pytest.approx(0.1, abs=0.02)
+    assert ev.slope_ci([[0.0] * 40] * 5) == (pytest.approx(0.0), pytest.approx(0.0), pytest.approx(0.0))
+
+
+def test_pq_subsets_from_the_world_or_labels(tmp_path):
+    word = "Tom has 5 apples. He gives away 2. How many apples does he have now?"
+    pq = [{"question": word, "answer": "3"}, {"question": word.replace("5", "6"), "answer": "9"},
+          {"question": "Find x if x^2 = 4.", "answer": "2"}]
+    cfg = ev.Config()
+    assert ev.pq_subset(pq, "correct", cfg) == pq[:1] and ev.pq_subset(pq, "wellposed", cfg) == pq[:2]
+    write(str(tmp_path / "labels.jsonl"), [{"question": q["question"], "correct": i == 2, "well_posed": i > 0}
+                                           for i, q in enumerate(pq)])
+    cfg = ev.Config(labels=str(tmp_path / "labels.jsonl"))
+    assert ev.pq_subset(pq, "correct", cfg) == pq[2:] and ev.pq_subset(pq, "wellposed", cfg) == pq[1:]
+    with pytest.raises(ValueError, match="no 'correct' label for 1 promotion questions"):
+        ev.pq_subset(pq + [{"question": "new", "answer": "1"}], "correct", cfg)
+
+
 # ---- Vendi ----
 def test_vendi_known_cases():
     assert data.vendi(np.ones((6, 4))) == pytest.approx(1.0)
@@ -189,22 +214,38 @@ def test_report_table_and_plots(tmp_path):
               [{"question": f"What is {i} + {seed}?", "answer": "1"} for i in range(20)])
     write(str(runs / "base" / "seed0" / "result.json"), dict(method="base", test="t.jsonl", seed=0,
                                                              passk={"pass@1": 0.005, "pass@32": 0.05}))
-    for d in (soar_dir, tmp_path / "soar-s1"):   # SOAR runs of two seeds: a plot panel and a PQ set each
+    for seed, p32 in ((0, 0.1), (1, 0.1)):
+        write(str(runs / "hard-only" / f"seed{seed}" / "result.json"),
+              dict(method="hard-only", test="t.jsonl", seed=seed, passk={"pass@1": 0.0, "pass@32": p32}))
+    away, gets = ("Tom has 9 apples. He gives away {}. How many apples does he have now?",
+                  "Tom has 9 apples. He gets {} more. How many apples does he have now?")
+    for d, reward in ((soar_dir, "grounded"), (tmp_path / "soar-s1", "grounded"), (tmp_path / "int", "learnability")):
+        # SOAR runs of two seeds (a plot panel and a PQ set each) and a learnability run; their teachers write
+        # more "gives away" problems over the steps (grounded) or fewer (learnability)
         write(str(d / "pq.jsonl"), [{"question": "Q one", "answer": "1", "step": 0}])
-        write(str(d / "metrics.jsonl"), [dict(step=s, reward=0.01 * s, ma=None if s < 2 else 0.01,
+        write(str(d / "metrics.jsonl"), [dict(step=s, reward=0.01 * s, ma=None if s < 2 else 0.01, R_k=[0.0, 0.01 * (s < 2)],
                                               promoted=s == 3, promotions=int(s >= 3)) for s in range(5)])
+        write(str(d / "ckpt" / "step-5" / "state.json"), {"step": 5, "config": {"reward": reward}})
+        up = reward == "grounded"
+        write(str(d / "questions.jsonl"), [{"question": (away if (i < s) == up else gets).format(i + 1), "answer": "1",
+                                            "step": s, "k": 0, "R_k": 0.0} for s in range(5) for i in range(4)])
     write(str(tmp_path / "soar-new" / "metrics.jsonl"), [])   # a run before its first step: left out
-    cfg = ev.Config(runs=str(runs), soar=f"{soar_dir},{tmp_path / 'soar-s1'},{tmp_path / 'soar-new'}", vendi_draws=3)
+    cfg = ev.Config(runs=str(runs), soar=f"{soar_dir},{tmp_path / 'soar-s1'},{tmp_path / 'soar-new'}", vendi_draws=3,
+                    intrinsic=str(tmp_path / "int"))
     text = ev.cmd_report(cfg)
     lines = text.splitlines()
-    assert "| method | pass@1 | pass@32 | seeds | step | non-trivial |" in lines
+    assert "| method | pass@1 | pass@32 | pass@32 - Hard-Only [95% CI] | seeds | step | non-trivial |" in lines
     rows = [x for x in lines if x.startswith("| base") or x.startswith("| pq")]
-    assert rows[0].startswith("| base | 0.5 ± 0.0 | 5.0 ± 0.0 | 1 |")              # the paper's order: base first
-    assert rows[1].startswith(f"| pq | 2.0 ± {100 * np.std([0.01, 0.03], ddof=1):.1f} | 20.0 ± 0.0 | 2 | 10")
+    assert rows[0].startswith("| base | 0.5 ± 0.0 | 5.0 ± 0.0 | -5.0 [-5.0, -5.0] | 1 |")   # the paper's order
+    assert rows[1].startswith(f"| pq | 2.0 ± {100 * np.std([0.01, 0.03], ddof=1):.1f} | 20.0 ± 0.0 | +10.0 [+10.0, +10.0] "
+                              "| 2 | 10")
+    # the teacher learning: 3 steps before the promotion at step 3, 2 of them with different R_k
+    assert "| grounded | 2 | 5 | 67% of 6 | +0.0100 [+0.0100, +0.0100] | 0% ± 0% -> 100% ± 0% |" in lines
+    assert any(x.startswith("| learnability | 1 | 5 |") and x.endswith("| 100% ± 0% -> 0% ± 0% |") for x in lines)
     assert any(x.startswith("| grounded-t |") and x.endswith("| 2 | 40 |") for x in lines)   # Vendi per seed's set
     assert "| pq | 1.00 ± 0.00 | 2 | 2 |" in lines and f"- {soar_dir}: 5 outer steps, 1 promotions" in lines
     assert not any("soar-new" in x for x in lines)
-    for png in ("curves.png", "soar.png"):
+    for png in ("curves.png", "soar.png", "curriculum.png"):
         assert (runs / png).stat().st_size > 1000
     assert (runs / "report.md").read_text() == text
 

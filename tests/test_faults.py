@@ -1,6 +1,6 @@
 """Fault injection: what a cluster does to a two-day run, done to soar.py on the small built-in world
 (torchrun, 2 ranks, real engines). Every interrupted run must end equal to the uninterrupted
-reference (conftest.full_run): same metrics.jsonl (timings aside) and pq.jsonl."""
+reference (conftest.full_run): same metrics.jsonl (timings aside), pq.jsonl and questions.jsonl."""
 import os
 import re
 import subprocess
@@ -16,7 +16,8 @@ from soar_runs import ROOT, alive, descendants, kill_all, rows, soar, wait_for, 
 def same_as_reference(out, full_run):
     ref, _ = full_run
     assert without_timing(rows(out / "metrics.jsonl")) == without_timing(rows(ref / "metrics.jsonl"))
-    assert rows(out / "pq.jsonl") == rows(ref / "pq.jsonl")
+    for name in ("pq.jsonl", "questions.jsonl"):
+        assert rows(out / name) == rows(ref / name), name
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,21 @@ def test_damaged_checkpoint_falls_back_to_the_one_before(killed_three_times, ful
     assert str(shard) in p.stderr and f"resuming from {out / 'ckpt' / 'step-2'}" in p.stderr
     assert "resuming at step 2" in p.stdout
     assert (out / "ckpt" / "step-3.damaged").is_dir()                  # kept aside, not used again
+    same_as_reference(out, full_run)
+
+
+def test_rows_cut_short_come_back_from_the_checkpoint(full_run, tmp_path):
+    """a kill in the middle of appending the last step's rows: the resume (here of a finished run,
+    which then has nothing to do) rewrites them from what the checkpoint committed"""
+    import shutil
+    ref, _ = full_run
+    out = tmp_path / "c"
+    shutil.copytree(ref, out, symlinks=True)
+    lines = (out / "questions.jsonl").read_text().splitlines(keepends=True)
+    (out / "questions.jsonl").write_text("".join(lines[:-5]))   # the last step's append cut after 3 of 8 rows
+    (out / "metrics.jsonl").write_text("".join((ref / "metrics.jsonl").read_text().splitlines(keepends=True)[:-1]))
+    p = soar(out)
+    assert p.returncode == 0 and "nothing to do" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     same_as_reference(out, full_run)
 
 

@@ -44,6 +44,13 @@ def test_outputs_are_consistent(full_run):
     pq = rows(out / "pq.jsonl")
     assert len(pq) == 4 * 3 and [r["step"] for r in pq] == [0] * 4 + [1] * 4 + [2] * 4
     assert all(r["question"] and r["answer"] for r in pq)
+    # questions.jsonl: every valid pair of every step, with its dataset and that dataset's R_k; the PQ of a
+    # step are its promoted dataset's pairs
+    qs = rows(out / "questions.jsonl")
+    assert [(r["step"], r["k"]) for r in qs] == [(s, k) for s in range(3) for k in range(2) for _ in range(4)]
+    assert all(r["R_k"] == metrics[r["step"]]["R_k"][r["k"]] and r["question"] and r["answer"] for r in qs)
+    assert [{k: r[k] for k in ("question", "answer", "step")} for r in qs
+            if r["k"] == metrics[r["step"]]["promoted_k"]] == pq
     assert sorted(os.listdir(out / "ckpt")) == ["step-2", "step-3"]   # the newest two (rloo.KEEP_CKPTS)
     state = json.loads((out / "ckpt" / "step-3" / "state.json").read_text())
     assert state["step"] == 3 and state["promotions"] == 3 and state["pq"] == 12

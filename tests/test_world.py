@@ -41,6 +41,17 @@ def test_classify_rejects_what_is_not_the_family():
         dict(kind="word", level="-+", answer="6")
 
 
+def test_describe_reads_what_the_teacher_wrote():
+    q = "Tom has 5 apples. He gives away 2, then gets 3 more. How many apples does he have now?"
+    assert world.describe(q, "6") == dict(well_posed=True, kind="word", steps=2, gives_away=1,
+                                          category="word, with 'gives away'", correct=True)
+    assert world.describe(q, "10")["correct"] is False and world.describe(q, "10")["well_posed"] is True
+    assert world.describe("What is 12 - 3?", " 9 ")["category"] == "bare sum"
+    bad = world.describe("What is 3 * 4?", "12")
+    assert not bad["well_posed"] and not bad["correct"] and bad["category"] == world.CATEGORIES[0]
+    assert set(world.USEFUL) <= set(world.CATEGORIES)
+
+
 def test_unfinished_folder_is_not_a_world(tmp_path):
     (tmp_path / "w").mkdir()  # e.g. a crash mid-build under the final name (cannot happen: tmp + rename)
     with pytest.raises(FileExistsError):
