@@ -270,7 +270,7 @@ def test_parse_args_world_defaults_and_paper_settings(tmp_path):
 
 
 def test_soar_output_of_another_base_model_is_refused(tmp_path):
-    write(str(tmp_path / "soar" / "metrics.jsonl"), {"step": 0})
+    write(str(tmp_path / "soar" / "pq.jsonl"), {"question": "q", "answer": "1", "step": 0})
     write(str(tmp_path / "soar" / "ckpt" / "step-1" / "state.json"), {"step": 1, "config": {"model": "/other/model"}})
     with pytest.raises(SystemExit, match="was run from /other/model"):
         ev.main(["row", "pq", "--model", str(tmp_path / "m"), "--train", "h", "--test", "t",
