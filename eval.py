@@ -449,11 +449,9 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
         raise SystemExit(f"missing inputs (method: path or flag): {missing}")
     cfg = world.resolve(cfg)
     teachers["base-t"] = cfg.model
-    ckpts = rloo.ckpt_dirs(cfg.soar) if any(m in ("ps", "grounded-t") or m.startswith("pq") for m in methods) else []
-    if ckpts:   # SOAR's outputs only mean something against the base model SOAR started from
-        with open(os.path.join(ckpts[-1], "state.json")) as f:
-            soar_model = json.load(f)["config"]["model"]
-        if os.path.realpath(soar_model) != os.path.realpath(cfg.model):
+    soar = soar_config(cfg.soar) if any(m in ("ps", "grounded-t") or m.startswith("pq") for m in methods) else None
+    if soar:   # SOAR's outputs only mean something against the base model SOAR started from
+        if os.path.realpath(soar_model := soar["model"]) != os.path.realpath(cfg.model):
             raise SystemExit(f"{cfg.soar} was run from {soar_model}, not from --model {cfg.model}")
     if not (cfg.train and cfg.test):
         raise SystemExit("--train and --test are required with --model: the fail@128 train and test splits")
@@ -659,15 +657,21 @@ def plot_soar(runs: dict[str, list[dict]], path: str) -> None:
     plt.close(fig)
 
 
+def soar_config(folder: str) -> dict | None:
+    """the settings a soar.py --out folder was run with (its newest checkpoint's); None before its first step"""
+    ckpts = rloo.ckpt_dirs(folder)
+    return data.read_json(os.path.join(ckpts[-1], "state.json"))["config"] if ckpts else None
+
+
 def teacher_runs(cfg: Config) -> dict[str, dict]:
     """The soar.py runs named by --soar, --intrinsic and --opensir (comma lists) that have a finished
-    step: their teacher reward (from the run's config), metrics and questions."""
+    step: their teacher reward (from the run's config), metrics, and curriculum (what the teacher wrote)."""
     runs = {}
     for d in ",".join(x for x in (cfg.soar, cfg.intrinsic, cfg.opensir) if x).split(","):
-        metrics, ckpts = data.read_jsonl(os.path.join(d, "metrics.jsonl")), rloo.ckpt_dirs(d)
-        if metrics and ckpts:
-            runs[d] = dict(reward=data.read_json(os.path.join(ckpts[-1], "state.json"))["config"]["reward"],
-                           metrics=metrics, questions=data.read_jsonl(os.path.join(d, "questions.jsonl")))
+        metrics, config = data.read_jsonl(os.path.join(d, "metrics.jsonl")), soar_config(d)
+        if metrics and config:
+            runs[d] = dict(reward=config["reward"], metrics=metrics,
+                           curriculum=curriculum(data.read_jsonl(os.path.join(d, "questions.jsonl"))))
     return runs
 
 
@@ -694,7 +698,7 @@ def teacher_learning(runs: dict[str, dict]) -> list[str]:
         b = slope_ci([[m["reward"] for m in r["metrics"]] for r in rs])
         first, last = [], []
         for r in rs:
-            shares = [sum(v[c] for c in world.USEFUL) for v in curriculum(r["questions"]).values()]
+            shares = [sum(v[c] for c in world.USEFUL) for v in r["curriculum"].values()]
             q = max(1, len(shares) // 4)
             first, last = first + [statistics.fmean(shares[:q])], last + [statistics.fmean(shares[-q:])]
         c = "{:.0%} ± {:.0%} -> {:.0%} ± {:.0%}".format(*mean_std(first), *mean_std(last)) if first else "-"
@@ -714,7 +718,7 @@ def plot_curriculum(runs: dict[str, dict], path: str) -> None:
                              sharex=True, sharey=True)
     for i, w in enumerate(rewards):
         for j, (d, r) in enumerate(by[w]):
-            cur = curriculum(r["questions"])
+            cur = r["curriculum"]
             axes[i][j].stackplot(list(cur), *[[v[c] for v in cur.values()] for c in world.CATEGORIES],
                                  labels=world.CATEGORIES, alpha=0.8)
             axes[i][j].set_title(f"{w}: {os.path.basename(d)}", fontsize=8)
@@ -768,7 +772,7 @@ def cmd_report(cfg: Config, args=()) -> str:
     teachers = teacher_runs(cfg)
     if teachers:
         lines += ["## Does the teacher learn?", "", *teacher_learning(teachers), ""]
-    if any(world.describe(q["question"])["well_posed"] for r in teachers.values() for q in r["questions"]):
+    if any(v[world.CATEGORIES[0]] < 1 for r in teachers.values() for v in r["curriculum"].values()):
         plot_curriculum(teachers, os.path.join(out, "curriculum.png"))   # the built-in world's questions
         lines += ["## What the teachers wrote (built-in world)", "", "![curriculum](curriculum.png)", ""]
     text = "\n".join(lines)

@@ -74,14 +74,13 @@ def check(argv: list[str]) -> str:
 
 def test_every_readme_command_parses(tmp_path):
     lines = [argv for block in readme_blocks() for argv in recorded(block, tmp_path)]
-    failed = []
+    failed, scripts = [], set()
     for argv in lines:
         try:
-            check(argv)
+            scripts.add(check(argv))
         except SystemExit as e:      # argparse's error (exit 2), or the script's own p.error
             failed.append(f"{' '.join(argv)}  (exit {e.code})")
     assert not failed, "README commands that do not parse:\n" + "\n".join(failed)
-    scripts = {check(argv) for argv in lines}
     assert scripts >= {"run.sh test", "soar.py", "eval.py", "data.py", "bench/bench_rloo.py"}, scripts
     assert any(a[0] == "torchrun" for a in lines) and len(lines) >= 20   # the loops ran: 3 seeds each
 
