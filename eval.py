@@ -699,8 +699,9 @@ def teacher_learning(runs: dict[str, dict]) -> list[str]:
         first, last = [], []
         for r in rs:
             shares = [sum(v[c] for c in world.USEFUL) for v in r["curriculum"].values()]
-            q = max(1, len(shares) // 4)
-            first, last = first + [statistics.fmean(shares[:q])], last + [statistics.fmean(shares[-q:])]
+            if shares:   # a run from before soar.py wrote questions.jsonl has none
+                q = max(1, len(shares) // 4)
+                first, last = first + [statistics.fmean(shares[:q])], last + [statistics.fmean(shares[-q:])]
         c = "{:.0%} ± {:.0%} -> {:.0%} ± {:.0%}".format(*mean_std(first), *mean_std(last)) if first else "-"
         lines.append(f"| {reward} | {len(rs)} | {min(len(r['metrics']) for r in rs)} | {a:.0%} of {len(before)} | "
                      "{:+.4f} [{:+.4f}, {:+.4f}] | {} |".format(*b, c))

@@ -231,8 +231,11 @@ def test_report_table_and_plots(tmp_path):
         write(str(d / "questions.jsonl"), [{"question": (away if (i < s) == up else gets).format(i + 1), "answer": "1",
                                             "step": s, "k": 0, "R_k": 0.0} for s in range(5) for i in range(4)])
     write(str(tmp_path / "soar-new" / "metrics.jsonl"), [])   # a run before its first step: left out
+    old = tmp_path / "soar-old"   # a run from before questions.jsonl: in the teacher table, without (c)
+    write(str(old / "metrics.jsonl"), [dict(step=0, reward=0.0, ma=None, R_k=[0.0, 0.0], promoted=False, promotions=0)])
+    write(str(old / "ckpt" / "step-1" / "state.json"), {"step": 1, "config": {"reward": "opensir"}})
     cfg = ev.Config(runs=str(runs), soar=f"{soar_dir},{tmp_path / 'soar-s1'},{tmp_path / 'soar-new'}", vendi_draws=3,
-                    intrinsic=str(tmp_path / "int"))
+                    intrinsic=str(tmp_path / "int"), opensir=str(old))
     text = ev.cmd_report(cfg)
     lines = text.splitlines()
     assert "| method | pass@1 | pass@32 | pass@32 - Hard-Only [95% CI] | seeds | step | non-trivial |" in lines
@@ -243,6 +246,7 @@ def test_report_table_and_plots(tmp_path):
     # the teacher learning: 3 steps before the promotion at step 3, 2 of them with different R_k
     assert "| grounded | 2 | 5 | 67% of 6 | +0.0100 [+0.0100, +0.0100] | 0% ± 0% -> 100% ± 0% |" in lines
     assert any(x.startswith("| learnability | 1 | 5 |") and x.endswith("| 100% ± 0% -> 0% ± 0% |") for x in lines)
+    assert "| opensir | 1 | 1 | 0% of 1 | +0.0000 [+0.0000, +0.0000] | - |" in lines
     assert any(x.startswith("| grounded-t |") and x.endswith("| 2 | 40 |") for x in lines)   # Vendi per seed's set
     assert "| pq | 1.00 ± 0.00 | 2 | 2 |" in lines and f"- {soar_dir}: 5 outer steps, 1 promotions" in lines
     assert not any("soar-new" in x for x in lines)
