@@ -220,7 +220,7 @@ def _pool_map(kind: str, items: list[tuple], on_timeout) -> list:
     return out
 
 
-_INT = re.compile(r"-?\d{1,18}")   # a plain integer, short enough that int() is instant
+_INT = re.compile(r"-?[0-9]{1,18}")   # a plain ASCII integer, short enough that int() is instant
 
 
 def grade(completions: list[str], golds: list[str]) -> list[float]:
@@ -232,10 +232,10 @@ def grade(completions: list[str], golds: list[str]) -> list[float]:
     keys = [(last_boxed(c), g) for c, g in zip(completions, golds)]
     first, graded = {}, {}  # distinct pair -> its first completion; no box: R_NONE, no worker needed
     for i, (boxed, gold) in enumerate(keys):
-        if boxed is not None and _INT.fullmatch(boxed.strip()) and _INT.fullmatch(gold.strip()):
+        b, g = (boxed or "").strip(), gold.strip()   # (int() refuses some of what strip() removes)
+        if _INT.fullmatch(b) and _INT.fullmatch(g):
             # two plain integers: math-verify's verdict without a worker (what it says for them, tested)
-            graded[boxed, gold] = R_CORRECT if int(boxed) == int(gold) else \
-                R_CONTAINS if gold.strip() in boxed else R_BOXED
+            graded[boxed, gold] = R_CORRECT if int(b) == int(g) else R_CONTAINS if g in b else R_BOXED
         elif boxed is not None:
             first.setdefault((boxed, gold), i)
     before = sum(GRADING_FAULTS.values())

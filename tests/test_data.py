@@ -101,7 +101,8 @@ def test_grade_sends_each_distinct_pair_once(monkeypatch):
 
 def test_integer_pairs_graded_as_math_verify_grades_them():
     ints = ["0", "-0", "7", "07", "-7", "12", "112", "121", "-12", "1200", "999999999999999999"]
-    pairs = [(f"so \\boxed{{{b}}}.", g) for b in ints + [" 12 ", "12.0", "1,2"] for g in ints]
+    pairs = [(f"so \\boxed{{{b}}}.", g) for b in ints + [" 12 ", "12.0", "1,2", "\x1e1", "\u0663"]
+             for g in ints]   # \x1e: str.strip() removes it, int() does not; \u0663: an Arabic-Indic 3
     assert data.grade(*zip(*pairs)) == [data.student_reward(c, g) for c, g in pairs]
 
 
