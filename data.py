@@ -6,7 +6,7 @@ math-verify call on model text runs in a pool of worker processes with integer t
 an outer deadline, because adversarial answers (power towers, huge factorials) can otherwise
 hang a step for minutes (math-verify 0.9's own timeouts are SIGALRM-based and integer-only).
 
-    python data.py math /tmp/math.jsonl     # fetch a hub pool into a local jsonl (connected machine)
+    python data.py math /tmp/math.jsonl    # fetch a hub pool into a local jsonl (connected machine)
 """
 import io
 import json
@@ -14,7 +14,6 @@ import multiprocessing as mp
 import os
 import random
 import re
-import shutil
 import signal
 import statistics
 import sys
@@ -28,11 +27,14 @@ import numpy as np
 
 # ---- prompts (METHOD.md "Prompts", verbatim from the paper) ----
 TEACHER_PROMPT = """You are generating a new math problem for a math assistant.
-Allowed topics: Algebra, Counting and Probability, Geometry, Intermediate Algebra, Number Theory, Prealgebra, or Precalculus.
+Allowed topics: Algebra, Counting and Probability, Geometry, Intermediate Algebra, Number Theory, \
+Prealgebra, or Precalculus.
 
 Output rules (follow EXACTLY):
-- Provide the final formatted problem in this structure: <question>[full math question]</question><answer>\\boxed{[answer]}</answer>
-- Any explanations, steps, or reasoning about the problem goes OUTSIDE the <question> and <answer> tags.
+- Provide the final formatted problem in this structure: \
+<question>[full math question]</question><answer>\\boxed{[answer]}</answer>
+- Any explanations, steps, or reasoning about the problem goes OUTSIDE the \
+<question> and <answer> tags.
 
 Constraints:
 - The problem must be original, challenging, and require at least 2-3 steps of reasoning.
@@ -40,7 +42,10 @@ Constraints:
 
 Begin now:"""
 
-STUDENT_PROMPT = """A conversation between User and Assistant. The user asks a question, and the Assistant solves it. The assistant first shows the complete reasoning process step by step, then provides the final answer in \\boxed{}. The assistant must always follow the format: 'User: [question] Assistant: [detailed reasoning] The final answer is: \\boxed{[answer]}.'
+STUDENT_PROMPT = """A conversation between User and Assistant. The user asks a question, and the \
+Assistant solves it. The assistant first shows the complete reasoning process step by step, then \
+provides the final answer in \\boxed{}. The assistant must always follow the format: 'User: \
+[question] Assistant: [detailed reasoning] The final answer is: \\boxed{[answer]}.'
 
 User: {question} Assistant:"""
 
@@ -55,20 +60,20 @@ R_CONTAINS = 20.0   # boxed, not verified, but the gold string occurs inside the
 R_BOXED = 10.0      # boxed, neither of the above (also: grading timed out)
 R_NONE = 0.0        # no boxed answer at all
 
-# ---- grading pool: math-verify's timeouts are integer seconds (a float silently fails) and use SIGALRM,
-# which works only in a process's main thread: hence worker processes, not threads ----
-MV_TIMEOUT_S = 1          # math-verify parse and verify timeouts, each (an int: a float silently fails)
+# ---- grading pool: math-verify's timeouts are integer seconds (a float silently fails) and use
+# SIGALRM, which works only in a process's main thread: hence worker processes, not threads ----
+MV_TIMEOUT_S = 1          # math-verify parse/verify timeouts, each (an int: a float silently fails)
 DEADLINE_S = 6.0          # outer deadline per item: a worker past it is killed and replaced
 SPAWN_TIMEOUT_S = 120     # a worker's start (imports included), on a loaded machine too
 # per rank: the node's cores shared by the ranks on it (torchrun sets LOCAL_WORLD_SIZE)
 GRADE_WORKERS = max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
-# ---- hub pools (METHOD.md "Data"); a local .jsonl/.parquet path with question/answer works offline ----
+# ---- hub pools (METHOD.md "Data"); a local .jsonl/.parquet with question/answer works offline ----
 HUB = {
     "math": ("EleutherAI/hendrycks_math", "*/test-*.parquet"),
     "olympiad": ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP/*.parquet"),
 }
-HARP_URL = "https://raw.githubusercontent.com/aadityasingh/HARP/main/HARP.jsonl.zip"   # the release is zipped
+HARP_URL = "https://raw.githubusercontent.com/aadityasingh/HARP/main/HARP.jsonl.zip"   # zipped
 
 
 def teacher_prompt(tokenizer) -> list[int]:
@@ -76,10 +81,11 @@ def teacher_prompt(tokenizer) -> list[int]:
     (METHOD.md "Prompts"). Ids, not text: a template that starts with its BOS rendered to text gets
     a second BOS when the engine tokenizes it; the engine and the trainer both take these ids."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no chat_template; the teacher prompt needs one")
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": TEACHER_PROMPT}], tokenize=True,
-                                              return_dict=False, add_generation_prompt=True,
-                                              date_string=TEMPLATE_DATE))
+        raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no chat_template; "
+                         "the teacher prompt needs one")
+    return list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": TEACHER_PROMPT}], tokenize=True, return_dict=False,
+        add_generation_prompt=True, date_string=TEMPLATE_DATE))
 
 
 def student_prompt(question: str) -> str:
@@ -87,7 +93,7 @@ def student_prompt(question: str) -> str:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} in text, by brace matching (pure string work, safe on any input)."""
+    """Content of text's last \\boxed{...}, brace-matched (pure string work, safe on any input)."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -101,12 +107,12 @@ def last_boxed(text: str) -> str | None:
 
 
 # the first question, closed by </question> or (as the paper prints it) by <question>, then the
-# first answer after it; text around and between the two is free (explanations, METHOD.md "Format filter")
+# first answer after it; text around and between is free (explanations, METHOD.md "Format filter")
 _Q = re.compile(r"<question>(.*?)(?:</question>|<question>).*?<answer>(.*?)</answer>", re.S)
 
 
 def _parse_teacher_text(text: str) -> tuple[str, str] | None:
-    """The string half of the format filter: both tags opened and closed, a non-empty boxed answer."""
+    """The format filter's string half: both tags opened and closed, a non-empty boxed answer."""
     m = _Q.search(text)
     if m is None:
         return None
@@ -119,18 +125,19 @@ def _parse_teacher_text(text: str) -> tuple[str, str] | None:
 # ---- the math-verify side; these run inside worker processes ----
 def _mv_parse(s: str):
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
-    return parse("\\boxed{" + s + "}", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+    return parse("\\boxed{" + s + "}",
+                 extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
                  parsing_timeout=MV_TIMEOUT_S)
 
 
 def student_reward(completion: str, gold: str) -> float:
-    """120/20/10/0 (METHOD.md "Rewards"). Runs math-verify in this process: use grade() on model output."""
+    """120/20/10/0 (METHOD.md "Rewards"). Runs math-verify in-process: use grade() on model text."""
     boxed = last_boxed(completion)
     if boxed is None:
         return R_NONE
     from math_verify import verify
     pred, ref = _mv_parse(boxed), _mv_parse(gold)
-    if pred and ref and verify(ref, pred, timeout_seconds=MV_TIMEOUT_S):  # gold first: verify is asymmetric
+    if pred and ref and verify(ref, pred, timeout_seconds=MV_TIMEOUT_S):  # gold first (asymmetric)
         return R_CORRECT
     return R_CONTAINS if gold.strip() and gold.strip() in boxed else R_BOXED
 
@@ -157,7 +164,7 @@ def _worker(conn):
     import logging
     die_with_parent()   # its parent is multiprocessing's fork server, which exits with our process
     import math_verify  # noqa: F401  (loaded before "ready": the deadline must not pay for imports)
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # timeouts are expected here, not news
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # timeouts are expected, not news
     conn.send("ready")
     while True:
         kind, args = conn.recv()
@@ -193,7 +200,7 @@ def _pool_map(kind: str, items: list[tuple], on_timeout) -> list:
     DEADLINE_S gets on_timeout (its worker is killed and replaced). Cannot hang."""
     while len(_pool) < GRADE_WORKERS:
         _pool.append(_spawn())
-    out, todo, busy = [on_timeout] * len(items), deque(range(len(items))), {}  # busy: worker -> (item, t0)
+    out, todo, busy = [on_timeout] * len(items), deque(range(len(items))), {}  # busy: w -> (i, t0)
     while todo or busy:
         for w in range(len(_pool)):
             if w not in busy and todo:
@@ -224,31 +231,33 @@ _INT = re.compile(r"-?[0-9]{1,18}")   # a plain ASCII integer, short enough that
 
 
 def grade(completions: list[str], golds: list[str]) -> list[float]:
-    """student_reward for a batch, safely: a pathological answer costs at most DEADLINE_S of one worker
-    and is graded as a wrong boxed answer (R_BOXED). The reward depends on (last boxed answer, gold)
-    alone, so each distinct pair goes to the workers once: samples repeat a lot."""
+    """student_reward for a batch, safely: a pathological answer costs at most DEADLINE_S of one
+    worker and is graded as a wrong boxed answer (R_BOXED). The reward depends on (last boxed
+    answer, gold) alone, so each distinct pair goes to the workers once: samples repeat a lot."""
     if len(completions) != len(golds):
         raise ValueError(f"grade: {len(completions)} completions but {len(golds)} gold answers")
     keys = [(last_boxed(c), g) for c, g in zip(completions, golds)]
-    first, graded = {}, {}  # distinct pair -> its first completion; no box: R_NONE, no worker needed
+    first, graded = {}, {}  # distinct pair -> first completion; no box: R_NONE, no worker needed
     for i, (boxed, gold) in enumerate(keys):
         b, g = (boxed or "").strip(), gold.strip()   # (int() refuses some of what strip() removes)
         if _INT.fullmatch(b) and _INT.fullmatch(g):
-            # two plain integers: math-verify's verdict without a worker (what it says for them, tested)
-            graded[boxed, gold] = R_CORRECT if int(b) == int(g) else R_CONTAINS if g in b else R_BOXED
+            # plain integers: math-verify's verdict without a worker (what it says for them, tested)
+            graded[boxed, gold] = (R_CORRECT if int(b) == int(g) else
+                                   R_CONTAINS if g in b else R_BOXED)
         elif boxed is not None:
             first.setdefault((boxed, gold), i)
     before = sum(GRADING_FAULTS.values())
-    graded |= dict(zip(first, _pool_map("reward", [(completions[i], golds[i]) for i in first.values()], R_BOXED)))
+    graded |= dict(zip(first, _pool_map("reward", [(completions[i], golds[i])
+                                                   for i in first.values()], R_BOXED)))
     failed = sum(GRADING_FAULTS.values()) - before
     if failed > WARN_FAULT_SHARE * len(first):
-        print(f"grade: {failed} of {len(first)} distinct answers timed out or crashed their grading worker; "
-              f"scored as wrong (R_BOXED)", file=sys.stderr, flush=True)
+        print(f"grade: {failed} of {len(first)} distinct answers timed out or crashed their "
+              f"grading worker; scored as wrong (R_BOXED)", file=sys.stderr, flush=True)
     return [graded.get(k, R_NONE) for k in keys]
 
 
 def parse_teacher_batch(texts: list[str]) -> list[tuple[str, str] | None]:
-    """The format filter (METHOD.md "Format filter") on a batch: tags, one problem, a boxed answer math-verify parses."""
+    """METHOD.md "Format filter", batched: tags, one problem, a boxed answer math-verify parses."""
     pairs = [_parse_teacher_text(t) for t in texts]
     idx = [i for i, p in enumerate(pairs) if p is not None]
     for i, ok in zip(idx, _pool_map("parses", [(pairs[i][1],) for i in idx], False)):
@@ -299,16 +308,18 @@ def _from_hub(name: str) -> list[dict]:
     from huggingface_hub import snapshot_download
     repo, pattern = HUB[name]
     folder = snapshot_download(repo, repo_type="dataset", allow_patterns=[pattern])
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.endswith(".parquet"))
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(folder)
+                   for f in fs if f.endswith(".parquet"))
     rows = [r for f in files for _, r in _read_parquet(f)]
     if name == "math":  # answer = the last \boxed{} of the reference solution
         return [{"question": r["problem"], "answer": last_boxed(r["solution"]) or ""} for r in rows]
-    return [{"question": r["question"], "answer": ", ".join(a.strip().strip("$") for a in r["final_answer"])}
+    return [{"question": r["question"],
+             "answer": ", ".join(a.strip().strip("$") for a in r["final_answer"])}
             for r in rows]  # olympiad: final_answer is a list of LaTeX strings
 
 
 def read_harp_zip(file) -> list[dict]:
-    """The HARP release: a zip (path or file object) holding HARP.jsonl with problem/answer fields."""
+    """The HARP release: a zip (path or file object) holding HARP.jsonl (problem/answer fields)."""
     with zipfile.ZipFile(file) as z:
         name = next(n for n in z.namelist() if n.endswith(".jsonl"))
         rows = [json.loads(x) for x in z.read(name).decode().splitlines() if x.strip()]
@@ -316,26 +327,28 @@ def read_harp_zip(file) -> list[dict]:
 
 
 def load_problems(source: str) -> list[dict]:
-    """A problem pool as [{"question", "answer"}]: 'math' | 'harp' | 'olympiad' from the hub, or a local
-    .jsonl / .parquet file with question/answer fields. Bad rows raise, naming file and line. Problems
-    without a gold answer, or whose gold answer math-verify cannot parse, are dropped with a note
-    (they could never be solved, so they would pass any fail@k filter: METHOD.md "Data")."""
+    """A problem pool as [{"question", "answer"}]: 'math' | 'harp' | 'olympiad' from the hub, or a
+    local .jsonl / .parquet file with question/answer fields. Bad rows raise, naming file and line.
+    Problems without a gold answer, or whose gold answer math-verify cannot parse, are dropped with
+    a note (they could never be solved, so they would pass any fail@k filter: METHOD.md "Data")."""
     if source in ("math", "harp", "olympiad"):
         rows = _from_hub(source)
         kept = [r for r in rows if r["question"].strip() and r["answer"].strip()]
         if len(kept) < len(rows):
-            print(f"load_problems({source}): dropped {len(rows) - len(kept)} of {len(rows)} rows without an answer",
-                  file=sys.stderr)
+            print(f"load_problems({source}): dropped {len(rows) - len(kept)} of {len(rows)} rows "
+                  "without an answer", file=sys.stderr)
         rows = _check_rows(list(enumerate(kept, 1)), source)
     elif not os.path.exists(source):
-        raise FileNotFoundError(f"problem file {source!r} does not exist (or name a hub pool: math, harp, olympiad)")
+        raise FileNotFoundError(f"problem file {source!r} does not exist "
+                                "(or name a hub pool: math, harp, olympiad)")
     else:
-        rows = _check_rows(_read_parquet(source) if source.endswith(".parquet") else _read_jsonl(source), source)
+        rows = _check_rows(_read_parquet(source) if source.endswith(".parquet")
+                           else _read_jsonl(source), source)
     ok = _pool_map("parses", [(r["answer"],) for r in rows], False)
     bad = [r["answer"] for r, good in zip(rows, ok) if not good]
     if bad:
-        print(f"load_problems({source}): dropped {len(bad)} of {len(rows)} problems whose gold answer math-verify "
-              f"cannot parse (e.g. {bad[0]!r})", file=sys.stderr)
+        print(f"load_problems({source}): dropped {len(bad)} of {len(rows)} problems whose "
+              f"gold answer math-verify cannot parse (e.g. {bad[0]!r})", file=sys.stderr)
     return [r for r, good in zip(rows, ok) if good]
 
 
@@ -391,7 +404,8 @@ def split_train_test(problems: list[dict], seed: int = 0) -> tuple[list[dict], l
 def sample_questions(problems: list[dict], m: int, rng: random.Random) -> list[dict]:
     """Q_R: m hard train problems, fresh each outer step (METHOD.md "Algorithm 1", step 3)."""
     if len(problems) < m:
-        raise ValueError(f"need M={m} questions for Q_R but the hard train split has only {len(problems)}")
+        raise ValueError(f"need M={m} questions for Q_R but the hard train split has only "
+                         f"{len(problems)}")
     return rng.sample(problems, m)
 
 
@@ -419,7 +433,8 @@ def embed_hf(texts: list[str], path: str, batch: int = 32) -> np.ndarray:
     tok.pad_token = tok.pad_token or tok.eos_token
     out = []
     for i in range(0, len(texts), batch):
-        enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, truncation=True, max_length=512)
+        enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, truncation=True,
+                  max_length=512)
         with torch.no_grad():
             h = model(**enc).last_hidden_state
         m = enc.attention_mask[..., None].to(h.dtype)
@@ -436,9 +451,10 @@ def vendi(X: np.ndarray) -> float:
     return float(np.exp(-(lam * np.log(lam)).sum()))
 
 
-def vendi_bootstrap(X: np.ndarray, subset: int = 128, draws: int = 100, seed: int = 0) -> tuple[float, float]:
-    """Mean and std of VS over `draws` random subsets of `subset` questions, drawn without
-    replacement (duplicates would read as lost diversity); a set of <= subset questions is one draw."""
+def vendi_bootstrap(X: np.ndarray, subset: int = 128, draws: int = 100,
+                    seed: int = 0) -> tuple[float, float]:
+    """Mean and std of VS over `draws` random `subset`-question subsets, drawn without replacement
+    (duplicates would read as lost diversity); a set of <= subset questions is one draw."""
     if len(X) <= subset:
         return vendi(X), 0.0
     rng = np.random.default_rng(seed)
@@ -455,7 +471,8 @@ def parse_args(argv=None):
     import argparse
     p = argparse.ArgumentParser(prog="data.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="math, harp or olympiad (from the hub), or a .jsonl / .parquet / .zip file")
+    p.add_argument("source",
+                   help="math, harp or olympiad (from the hub), or a .jsonl / .parquet / .zip file")
     p.add_argument("out", help="the .jsonl file to write")
     return p.parse_args(argv)
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -40,10 +40,8 @@ import data
 
 # -----------------------------------------------------------------------------
 # engine (vLLM) settings
-# On CPU, vLLM reads gpu_memory_utilization as a fraction of RAM and its default (0.92) fails to
-# start; the KV cache size comes from VLLM_CPU_KVCACHE_SPACE (GiB) instead
-CPU_KVCACHE_GIB = "1"
-CPU_MEM_UTIL = 0.2
+CPU_KVCACHE_GIB = "1"       # on CPU the KV cache size comes from VLLM_CPU_KVCACHE_SPACE (GiB)
+CPU_MEM_UTIL = 0.2          # CPU gpu_memory_utilization (of RAM; the default, 0.92, fails to start)
 ENGINES = []                # this process's engines (build_engine), shut down by clean_exit
 # optimizer settings (METHOD.md "Hyperparameters" gives AdamW, lr and schedule; the rest is ours)
 ADAM_BETAS = (0.9, 0.999)
@@ -51,8 +49,8 @@ WEIGHT_DECAY = 0.0          # unspecified by the paper; no decay, as usual for R
 ADAM_EPS = 1e-8
 # training numerics
 GPU_PARAM_DTYPE = torch.bfloat16   # compute dtype on GPU; master weights + grads reduce stay fp32
-LOGIT_CHUNK_TOKENS = 2048   # token_logprobs applies the vocabulary head to this many tokens at a time
-MAX_NONFINITE = 3           # updates skipped in a row for a non-finite loss or gradient before a run stops
+LOGIT_CHUNK_TOKENS = 2048   # token_logprobs runs the vocabulary head on this many tokens at a time
+MAX_NONFINITE = 3           # updates skipped in a row (non-finite loss or gradient) that stop a run
 KEEP_CKPTS = 2              # checkpoints kept: a damaged newest one falls back to the one before
 # dense bf16 peak of one GPU, for the MFU estimate in metrics.jsonl (spec sheets, SXM parts)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
@@ -69,7 +67,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
     """rank, world size, device. A plain `python script.py` becomes a 1-rank group, so the
     same code path (external_launcher engine, FSDP2) runs with and without torchrun."""
     cuda = torch.cuda.is_available()
-    if "TORCHELASTIC_RUN_ID" in os.environ:   # a rank of torchrun's: never outlive the launcher (a killed
+    if "TORCHELASTIC_RUN_ID" in os.environ:   # under torchrun: never outlive the launcher (a killed
         data.die_with_parent()               # launcher's orphans would go on writing into --out)
     if not dist.is_initialized():
         for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
@@ -78,7 +76,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
         if cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if cuda else "gloo",
-                                device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None)
+                                device_id=torch.device("cuda", torch.cuda.current_device())
+                                if cuda else None)
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), dev
 
@@ -87,17 +86,18 @@ _LOCKS = []   # lock files this process holds (lock_folder); the kernel releases
 
 
 def lock_folder(folder: str) -> None:
-    """One run per folder: rank 0 takes an exclusive lock on folder/.lock for the life of the process.
-    A second run on the folder stops at once with an error naming the folder and the live process;
-    a dead run's lock is gone with it (flock), so a resume is never blocked. All ranks call."""
+    """One run per folder: rank 0 takes an exclusive lock on folder/.lock for the process's life. A
+    second run on the folder stops at once with an error naming the folder and the live process; a
+    dead run's lock is gone with it (flock), so a resume is never blocked. All ranks call."""
     err = None
-    if dist.get_rank() == 0:
+    if rank0():
         os.makedirs(folder, exist_ok=True)
         f = open(os.path.join(folder, ".lock"), "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             f.truncate(0)
-            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            f.write(f"pid {os.getpid()} on {socket.gethostname()} "
+                    f"since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             f.flush()
             _LOCKS.append(f)
         except BlockingIOError:
@@ -178,12 +178,12 @@ class Sample:
 
 def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_tokens: int,
              seed: int, group=None) -> list[list[Sample]]:
-    """result[i] = the n samples of prompts[i] (a string, or a list of token ids).
-    With a group the prompts are split over its ranks and every rank returns the full list.
-    Request i carries seed + i (i global), so results do not depend on the split; one seed per
-    request because requests with equal seed and prompt get equal completions."""
+    """result[i] = the n samples of prompts[i] (a string or token ids); with a group, prompts are
+    split over its ranks and every rank returns the full list. Request i has seed + i (i global):
+    results do not depend on the split, and repeated prompts get distinct seeds."""
     from vllm import SamplingParams
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    rank, world = ((dist.get_rank(group), dist.get_world_size(group)) if group is not None
+                   else (0, 1))
     lo, hi = chunk(len(prompts), rank, world)
     inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts[lo:hi]]
     greedy = temperature == 0   # vLLM refuses n > 1 when greedy: sample once, repeat n times
@@ -196,7 +196,8 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
     return mine if world == 1 else [s for part in all_gather(mine, group) for s in part]
 
 
-def engine_len(tok, questions: list[str], student_max_tokens: int, teacher_max_tokens: int = 0) -> int:
+def engine_len(tok, questions: list[str], student_max_tokens: int,
+               teacher_max_tokens: int = 0) -> int:
     """The engines' context: the student prompt around the longest question (a teacher sample may
     be one) plus a completion, or the teacher prompt plus a teacher sample; 16 tokens of slack."""
     longest = max([len(tok(q).input_ids) for q in questions] + [teacher_max_tokens])
@@ -206,8 +207,7 @@ def engine_len(tok, questions: list[str], student_max_tokens: int, teacher_max_t
 
 
 # -----------------------------------------------------------------------------
-# sampling + grading: every rank of `group` calls these; generation and grading are split over
-# its ranks and every rank gets all results
+# sampling + grading: all ranks of `group` call these, share out the work and get all results
 
 def grade(completions: list[str], golds: list[str], group=None) -> list[float]:
     """data.grade (METHOD.md "Rewards"), split over the ranks of group"""
@@ -215,21 +215,25 @@ def grade(completions: list[str], golds: list[str], group=None) -> list[float]:
                      list(zip(completions, golds)), group)
 
 
-def correct_counts(llm, problems: list[dict], *, n: int, max_tokens: int, seed: int, temperature: float = 1.0,
-                   group=None, chunk_prompts: int = 0, progress: bool = False) -> list[int]:
-    """How many of n samples (student prompt) are correct (the 120 case) for each problem: greedy
-    accuracy (n = 1, temperature 0), learnability, pass@k and fail@k all count this way. Generated in
+def correct_counts(llm, problems: list[dict], *, n: int, max_tokens: int, seed: int,
+                   temperature: float = 1.0, group=None, chunk_prompts: int = 0,
+                   progress: bool = False) -> list[int]:
+    """How many of n samples (student prompt) are correct (the 120 case) per problem: greedy
+    accuracy (n = 1, temperature 0), learnability, pass@k and fail@k all count this way. Sampled in
     chunks of prompts so 5000 x 128 samples never sit in memory at once; request i carries seed + i
     whatever the chunking (generate), so results do not depend on it."""
     from tqdm import tqdm
     step = chunk_prompts or max(1, 8192 // n)
     counts = []
-    for lo in tqdm(range(0, len(problems), step), disable=not progress, desc="sampling", dynamic_ncols=True):
+    for lo in tqdm(range(0, len(problems), step), disable=not progress, desc="sampling",
+                   dynamic_ncols=True):
         part = problems[lo:lo + step]
-        outs = generate(llm, [data.student_prompt(p["question"]) for p in part], n=n, temperature=temperature,
-                        max_tokens=max_tokens, seed=seed + lo, group=group)
-        rewards = grade([s.text for o in outs for s in o], [p["answer"] for p in part for _ in range(n)], group)
-        counts += [sum(r == data.R_CORRECT for r in rewards[i * n:(i + 1) * n]) for i in range(len(part))]
+        outs = generate(llm, [data.student_prompt(p["question"]) for p in part], n=n,
+                        temperature=temperature, max_tokens=max_tokens, seed=seed + lo, group=group)
+        rewards = grade([s.text for o in outs for s in o],
+                        [p["answer"] for p in part for _ in range(n)], group)
+        counts += [sum(r == data.R_CORRECT for r in rewards[i * n:(i + 1) * n])
+                   for i in range(len(part))]
     return counts
 
 
@@ -252,9 +256,10 @@ def sample_teacher(llm, prompt, *, need: int, max_tokens: int, temperature: floa
         kept += [(s, p) for s, p in zip(samples, pairs) if p is not None]
         if len(kept) >= need:
             return kept[:need], sampled
-    raise RuntimeError(f"the teacher produced only {len(kept)} valid question-answer pairs in {sampled} samples "
-                       f"({max_rounds} rounds) at step {key}, {need} needed: it no longer follows the format "
-                       "of data.TEACHER_PROMPT (raise --max_rejection_rounds or check the model)")
+    raise RuntimeError(f"the teacher produced only {len(kept)} valid question-answer pairs in "
+                       f"{sampled} samples ({max_rounds} rounds) at step {key}, {need} needed: "
+                       "it no longer follows the format of data.TEACHER_PROMPT "
+                       "(raise --max_rejection_rounds or check the model)")
 
 
 # -----------------------------------------------------------------------------
@@ -271,23 +276,23 @@ class Policy:
     grad_clip: float = 1.0
     save_dtype: torch.dtype = torch.float32   # dtype of the checkpoint we loaded (for save_hf)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    nonfinite: int = 0                        # updates skipped in a row for a non-finite loss or gradient
+    nonfinite: int = 0                        # updates skipped in a row (non-finite loss or grad)
 
 
 def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()   # else a bar per load and per save_hf, in every log
-    # every rank reads the (mmapped) safetensors, then fully_shard keeps only its shard on the
-    # mesh device. Trained weights stay fp32 (AdamW updates at lr 1e-5 vanish in bf16 rounding);
-    # the frozen reference can be stored in the compute dtype.
+    # each rank reads the (mmapped) safetensors, fully_shard keeps its shard on the mesh device;
+    # trained weights stay fp32 (AdamW steps at lr 1e-5 vanish in bf16), the frozen ref may be bf16.
     gpu = mesh.device_type == "cuda"
     dtype = torch.float32 if trainable or not gpu else GPU_PARAM_DTYPE
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    # token_logprobs applies the vocabulary head itself, in chunks: the model's head returns (a copy of)
-    # its input. A copy, not the input: FSDP2 warns about a view as a module's output
-    if not isinstance(model.lm_head, torch.nn.Linear) or getattr(model.config, "final_logit_softcapping", None):
-        raise ValueError(f"{path}: token_logprobs needs a plain linear vocabulary head (Llama, Qwen, Mistral, ...)")
+    # token_logprobs applies the head in chunks, so here it copies its input (FSDP2 warns on a view)
+    if (not isinstance(model.lm_head, torch.nn.Linear)
+            or getattr(model.config, "final_logit_softcapping", None)):
+        raise ValueError(f"{path}: token_logprobs needs a plain linear vocabulary head "
+                         "(Llama, Qwen, Mistral, ...)")
     model.lm_head.forward = lambda hidden: hidden.clone()
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -312,15 +317,17 @@ def _lr_lambda(warmup: int, total: int):
 
 def reset_optimizer(policy: Policy, *, lr: float, warmup_steps: int, total_steps: int) -> None:
     """fresh AdamW state + schedule (every student inner loop starts one)"""
-    policy.optimizer = torch.optim.AdamW(policy.model.parameters(), lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
-                                         weight_decay=WEIGHT_DECAY)
-    policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, _lr_lambda(warmup_steps, total_steps))
+    policy.optimizer = torch.optim.AdamW(policy.model.parameters(), lr=lr, betas=ADAM_BETAS,
+                                         eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
+    policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer,
+                                                         _lr_lambda(warmup_steps, total_steps))
 
 
 def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: int,
-                kl_coef: float = 0.001, grad_clip: float = 1.0, activation_checkpointing: bool = False) -> Policy:
-    """The model in HF folder `path`, sharded over mesh, with AdamW and, if kl_coef > 0, a frozen copy
-    of the same weights as the KL reference (METHOD.md "Hyperparameters": KL to the start model)."""
+                kl_coef: float = 0.001, grad_clip: float = 1.0,
+                activation_checkpointing: bool = False) -> Policy:
+    """The model in HF folder `path`, sharded over mesh, with AdamW and, if kl_coef > 0, a frozen
+    copy of it as the KL reference (METHOD.md "Hyperparameters": KL to the start model)."""
     from transformers import AutoConfig
     model = _load_sharded(path, mesh, True, activation_checkpointing)
     ref = _load_sharded(path, mesh, False) if kl_coef > 0 else None
@@ -347,14 +354,15 @@ def _head_logprobs(hidden, weight, targets):
 
 
 def token_logprobs(model, ids, attn):
-    """log p(ids[:, t+1] | ids[:, :t+1]) for every position, shape [B, L-1], fp32. The [tokens, vocab]
-    logits never exist whole (at 3B, 16k tokens x 128k vocab in fp32 is 8 GB, and autograd would keep
-    it): the head runs over chunks of positions, each recomputed in backward (checkpoint). The head's
-    weight is used after the model's forward: FSDP2 keeps the root's parameters gathered until backward."""
-    hidden = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]   # the head returns its input
+    """log p(ids[:, t+1] | ids[:, :t+1]) for all t, [B, L-1], fp32. The full [tokens, vocab] logits
+    never exist (3B, 16k tokens x 128k vocab: 8 GB in fp32, kept by autograd): the head runs on
+    chunks of positions, each recomputed in backward (checkpoint), its weight read after the forward
+    (lm_head returns its input): FSDP2 keeps the root's parameters gathered until backward."""
+    hidden = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
     step, weight = max(1, LOGIT_CHUNK_TOKENS // ids.shape[0]), model.lm_head.weight
-    return torch.cat([checkpoint(_head_logprobs, hidden[:, i:i + step], weight, ids[:, i + 1:i + 1 + step],
-                                 use_reentrant=False) for i in range(0, hidden.shape[1], step)], 1)
+    return torch.cat([checkpoint(_head_logprobs, hidden[:, i:i + step], weight,
+                                 ids[:, i + 1:i + 1 + step], use_reentrant=False)
+                      for i in range(0, hidden.shape[1], step)], 1)
 
 
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -369,57 +377,72 @@ def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return batches
 
 
-def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-               advantages: list[float], *, micro_batch_tokens: int = 16384) -> dict:
-    """One on-policy RLOO update over this rank's rows of the batch (every rank of policy.mesh
-    calls it with its own rows). Per completion token t of rollout i (METHOD.md "RLOO loss"):
+def rloo_loss(logp, ref_logp, adv, mask, kl_coef: float):
+    """The loss of both the teacher and the students (METHOD.md "RLOO loss"), per completion token t
+    of rollout i (mask: 1 on the positions that predict a completion token):
         pg = -A_i * exp(logp - sg(logp))          (value -A_i, gradient -A_i * dlogp)
-        kl = exp(ref - logp) - (ref - logp) - 1    (k3 estimator, >= 0)
-        loss = sum_{i,t} (pg + kl_coef * kl) / (completion tokens of the GLOBAL batch)
-    FSDP averages gradients over ranks, so each rank's loss is scaled by the mesh size."""
+        kl = exp(ref - logp) - (ref - logp) - 1    (k3 estimator, >= 0; 0 without a reference)
+    Returns the masked sums of pg + kl_coef * kl (to backpropagate), of pg and of kl (detached)."""
+    pg = -adv * torch.exp(logp - logp.detach())
+    d = ref_logp - logp if ref_logp is not None else None
+    kl = torch.exp(d) - d - 1 if d is not None else torch.zeros_like(logp)
+    return (((pg + kl_coef * kl) * mask).sum(), (pg.detach() * mask).sum(),
+            (kl.detach() * mask).sum())
+
+
+def sept_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """SePT (METHOD.md "SePT"): advantage 1 for every sample whatever its reward, so rloo_loss
+    without KL is the NLL of the samples themselves."""
+    return torch.ones_like(rewards)
+
+
+def _collate(seqs, prompt_lens, advantages, rows, dev):
+    """ids, attention mask, completion mask and advantages of one micro-batch, right-padded; rows
+    None: a one-row dummy (attending to its padding, advantage 0) for a rank with fewer passes"""
+    L = max([len(seqs[i]) for i in rows or []], default=2)
+    ids = torch.zeros(max(len(rows or []), 1), L, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    mask = torch.zeros(ids.shape[0], L - 1)       # 1 on positions that predict a completion token
+    adv = torch.zeros(ids.shape[0], 1)
+    for b, i in enumerate(rows or []):
+        s, P = seqs[i], prompt_lens[i]
+        ids[b, :len(s)] = torch.tensor(s)
+        attn[b, :len(s)] = 1
+        mask[b, P - 1:len(s) - 1] = 1
+        adv[b] = advantages[i]
+    if rows is None:
+        attn[0] = 1
+    return ids.to(dev), attn.to(dev), mask.to(dev), adv.to(dev)
+
+
+def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+               advantages: list[float], *, loss, micro_batch_tokens: int = 16384) -> dict:
+    """One on-policy update on this rank's rows of the batch (every rank of policy.mesh calls it
+    with its own): `loss` (rloo_loss) summed over the micro-batches, divided by the completion
+    tokens of the GLOBAL batch and, as FSDP averages gradients over ranks, times the mesh size."""
     dev, group = policy.device, policy.mesh.get_group()
     world = dist.get_world_size(group)
     seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
-    stats = torch.tensor([float(sum(len(c) for c in completion_ids)), 0.0, 0.0], dtype=torch.float64, device=dev)
+    stats = torch.tensor([float(sum(len(c) for c in completion_ids)), 0.0, 0.0],
+                         dtype=torch.float64, device=dev)
     dist.all_reduce(stats[:1], group=group)
     n_tokens = stats[0].item()
     scale = world / max(n_tokens, 1.0)
     batches = _micro_batches([len(s) for s in seqs], micro_batch_tokens)
-    # every rank must run as many forward/backward passes as the busiest one, or the FSDP
-    # all-gathers / reduce-scatters of the others hang: pad with zero-weight dummies
+    # pad with zero-weight dummies to the busiest rank's passes, or the FSDP collectives hang
     n_mb = torch.tensor([len(batches)], device=dev)
     dist.all_reduce(n_mb, op=dist.ReduceOp.MAX, group=group)
     batches += [None] * (int(n_mb.item()) - len(batches))
+    prompt_lens = [len(p) for p in prompt_ids]
     for rows in batches:
-        dummy = rows is None
-        rows = rows or []
-        L = max([len(seqs[i]) for i in rows], default=2)
-        ids = torch.zeros(max(len(rows), 1), L, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        mask = torch.zeros(ids.shape[0], L - 1)       # 1 on positions that predict a completion token
-        adv = torch.zeros(ids.shape[0], 1)
-        for b, i in enumerate(rows):
-            s, P = seqs[i], len(prompt_ids[i])
-            ids[b, :len(s)] = torch.tensor(s)
-            attn[b, :len(s)] = 1
-            mask[b, P - 1:len(s) - 1] = 1
-            adv[b] = advantages[i]
-        if dummy:
-            attn[0] = 1
-        ids, attn, mask, adv = ids.to(dev), attn.to(dev), mask.to(dev), adv.to(dev)
+        ids, attn, mask, adv = _collate(seqs, prompt_lens, advantages, rows, dev)
         logp = token_logprobs(policy.model, ids, attn)
-        pg = -adv * torch.exp(logp - logp.detach())
-        if policy.ref is not None:
-            with torch.no_grad():
-                ref_logp = token_logprobs(policy.ref, ids, attn)
-            d = ref_logp - logp
-            kl = torch.exp(d) - d - 1
-        else:
-            kl = torch.zeros_like(logp)
-        loss = ((pg + policy.kl_coef * kl) * mask).sum() * scale
-        (loss * 0.0 if dummy else loss).backward()
-        stats[1] += (pg.detach() * mask).sum()
-        stats[2] += (kl.detach() * mask).sum()
+        with torch.no_grad():
+            ref_logp = token_logprobs(policy.ref, ids, attn) if policy.ref is not None else None
+        total, pg, kl = loss(logp, ref_logp, adv, mask, policy.kl_coef)
+        (total * scale * (0.0 if rows is None else 1.0)).backward()
+        stats[1] += pg
+        stats[2] += kl
     dist.all_reduce(stats[1:], group=group)
     count("trained", sum(map(len, seqs)))
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), policy.grad_clip)
@@ -427,8 +450,7 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
         grad_norm = grad_norm.full_tensor()
     lr = policy.scheduler.get_last_lr()[0]
     pg_loss, kl = stats[1].item() / max(n_tokens, 1.0), stats[2].item() / max(n_tokens, 1.0)
-    # the same numbers on every rank (all-reduced), so every rank takes the same branch
-    finite = all(map(math.isfinite, (pg_loss, kl, grad_norm.item())))
+    finite = all(map(math.isfinite, (pg_loss, kl, grad_norm.item())))   # all-reduced: ranks agree
     if finite:
         policy.optimizer.step()
         policy.scheduler.step()
@@ -438,33 +460,35 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
         count("skipped_updates")
         msg = f"non-finite loss {pg_loss}, KL {kl} or gradient norm {grad_norm.item()}"
         if policy.nonfinite >= MAX_NONFINITE:
-            raise RuntimeError(f"{msg} in {policy.nonfinite} updates in a row: stopping (see MAX_NONFINITE in rloo.py)")
-        if dist.get_rank() == 0:
-            print(f"rloo.train_step: {msg}: update skipped", file=sys.stderr, flush=True)
+            raise RuntimeError(f"{msg} in {policy.nonfinite} updates in a row: stopping "
+                               "(see MAX_NONFINITE in rloo.py)")
+        print0(f"rloo.train_step: {msg}: update skipped", file=sys.stderr)
     return dict(loss=pg_loss + policy.kl_coef * kl, pg_loss=pg_loss, kl=kl,
                 grad_norm=grad_norm.item(), lr=lr, tokens=n_tokens, skipped=not finite)
 
 
-def student_step(policy: Policy, llm, batch: list[tuple[str, str]], *, samples: int, temperature: float,
-                 max_tokens: int, seed: int, group, micro_batch_tokens: int, sept: bool = False) -> dict:
-    """One student RLOO step on (question, answer) pairs (METHOD.md "Inner loop"; also eval.py's fresh
-    students): sync, sample `samples` per question on the group's engines, grade (METHOD.md "Rewards"),
-    leave-one-out advantages within each question, one update. `sept`: no reward in the loss, NLL on
-    the samples themselves (advantage 1 for every token; METHOD.md "SePT"); rewards are still graded,
-    for the curve the early-stopping rule reads. `nontrivial`: per question, did its rewards vary."""
+def student_step(policy: Policy, llm, batch: list[tuple[str, str]], *, samples: int,
+                 temperature: float, max_tokens: int, seed: int, group, micro_batch_tokens: int,
+                 advantages, loss) -> dict:
+    """One student step on (question, answer) pairs (METHOD.md "Inner loop"; also eval.py's fresh
+    students): sync, sample `samples` per question on the group's engines, grade (METHOD.md
+    "Rewards"), `advantages` of each question's [samples] rewards (rloo_advantages: leave-one-out;
+    sept_advantages: all 1), one `loss` update. `nontrivial`: per question, did its rewards vary."""
     with timed("sync"):
         sync_weights(policy, llm)
     with timed("student_rollouts"):
-        outs = generate(llm, [data.student_prompt(q) for q, _ in batch], n=samples, temperature=temperature,
-                        max_tokens=max_tokens, seed=seed, group=group)
+        outs = generate(llm, [data.student_prompt(q) for q, _ in batch], n=samples,
+                        temperature=temperature, max_tokens=max_tokens, seed=seed, group=group)
         flat = [(smp, a) for o, (_, a) in zip(outs, batch) for smp in o]
         rewards = grade([smp.text for smp, _ in flat], [a for _, a in flat], group)
     table = torch.tensor(rewards).view(len(batch), samples)
-    adv = [1.0] * len(flat) if sept else rloo_advantages(table).flatten().tolist()
-    rows = my_share([(smp, a) for (smp, _), a in zip(flat, adv)], group)
-    stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows], [smp.token_ids for smp, _ in rows],
-                       [a for _, a in rows], micro_batch_tokens=micro_batch_tokens)
-    return {**stats, "reward": sum(rewards) / len(rewards), "nontrivial": (table.std(1) > 0).tolist(),
+    rows = my_share([(smp, a) for (smp, _), a in zip(flat, advantages(table).flatten().tolist())],
+                    group)
+    stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows],
+                       [smp.token_ids for smp, _ in rows], [a for _, a in rows], loss=loss,
+                       micro_batch_tokens=micro_batch_tokens)
+    return {**stats, "reward": sum(rewards) / len(rewards),
+            "nontrivial": (table.std(1) > 0).tolist(),
             "accuracy": sum(r == data.R_CORRECT for r in rewards) / len(rewards)}
 
 
@@ -472,19 +496,17 @@ def student_step(policy: Policy, llm, batch: list[tuple[str, str]], *, samples: 
 # trainer -> engine weight sync, snapshots, checkpoints
 
 def sync_weights(policy: Policy, llm) -> None:
-    """Stream the full weights into this rank's engine, one tensor at a time (a generator:
-    the engine consumes it while we gather, so no full copy of the model ever exists).
-    model.state_dict() has plain HF names in the same order on every rank, and includes
-    lm_head.weight even when tied: without it vLLM silently keeps stale logits (1.3 nats off in
-    our tests); model.load_weights on the CPU runner fails, reload_weights is the way in.
-    Passing a generator works because external_launcher runs the worker in this process."""
+    """Stream the full weights into this rank's engine one tensor at a time (a generator, consumed
+    as we gather: no full copy ever exists). model.state_dict() has plain HF names in the same order
+    on every rank, and includes lm_head.weight even when tied: without it vLLM silently keeps stale
+    logits (1.3 nats off in our tests). model.load_weights fails on the CPU runner; reload_weights
+    works, and takes a generator as external_launcher runs the worker in this process."""
     dtype = llm.llm_engine.model_config.dtype
     _reshard(policy.model)
 
     def weights():
         for name, p in policy.model.state_dict().items():
-            # cast the shard before gathering: half the traffic when the engine runs bf16
-            p = p.detach().to(dtype)
+            p = p.detach().to(dtype)   # cast before gathering: half the traffic to a bf16 engine
             yield name, (p.full_tensor() if isinstance(p, DTensor) else p)
 
     it = weights()
@@ -495,8 +517,7 @@ def sync_weights(policy: Policy, llm) -> None:
 
 
 def _reshard(model):
-    # FSDP2 leaves the root's parameters unsharded after a forward that has no backward
-    # (e.g. a no_grad logprob pass): put every module back on its sharded DTensors first
+    # FSDP2 leaves the root unsharded after a forward with no backward (e.g. no_grad): reshard all
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
@@ -529,7 +550,8 @@ def broadcast_snapshot(snap: dict[str, torch.Tensor], src: int, group) -> None:
             t.copy_(buf)
 
 
-def save_hf(policy: Policy, path: str, tokenizer=None, version: int = 0, extra: dict | None = None) -> None:
+def save_hf(policy: Policy, path: str, tokenizer=None, version: int = 0,
+            extra: dict | None = None) -> None:
     """Gather the full weights on rank 0 and write an HF folder that from_pretrained / vLLM load
     (safetensors, in the dtype of the checkpoint the policy started from), with `extra` json files.
     It is written as path.v<version>/, then `path`, a symbolic link, is switched to it in one
@@ -537,11 +559,12 @@ def save_hf(policy: Policy, path: str, tokenizer=None, version: int = 0, extra: 
     _reshard(policy.model)
     sd = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True,
                                                                      cpu_offload=True))
-    if dist.get_rank() == 0:
+    if rank0():
         target = f"{path}.v{version}"
         for d in (target + ".tmp", target):
             shutil.rmtree(d, ignore_errors=True)
-        policy.model.save_pretrained(target + ".tmp", state_dict={k: v.to(policy.save_dtype) for k, v in sd.items()})
+        policy.model.save_pretrained(target + ".tmp",
+                                     state_dict={k: v.to(policy.save_dtype) for k, v in sd.items()})
         if tokenizer is not None:
             tokenizer.save_pretrained(target + ".tmp")
         for name, obj in (extra or {}).items():
@@ -569,10 +592,9 @@ def _state(policy: Policy, optimizer: bool) -> dict:
 
 def save_state(policy: Policy, path: str, optimizer: bool = True) -> None:
     """The weights and, if `optimizer`, the AdamW and schedule state, sharded (torch.distributed.
-    checkpoint; all ranks of the job call, the folder must be on a filesystem every rank sees). For
-    a policy on a sub-mesh (students) the groups' copies are deduplicated, so they must hold the
-    same weights (theta). Not atomic on its own: save_checkpoint writes it inside a folder that
-    appears in one rename."""
+    checkpoint; all ranks of the job call; the folder must be on a filesystem all ranks see). On a
+    sub-mesh (students) the groups' copies are deduplicated, so must hold the same weights (theta).
+    Not atomic itself: save_checkpoint writes it in a folder that appears in one rename."""
     dcp.save(_state(policy, optimizer), checkpoint_id=path)
 
 
@@ -587,34 +609,36 @@ def load_state(policy: Policy, path: str, optimizer: bool = True) -> None:
         set_model_state_dict(policy.model, state["model"])
 
 
-# out/ckpt/step-N holds everything a restart needs (each policy's save_state and state.json); it
-# appears in one rename, so a folder under that name is complete
+# out/ckpt/step-N holds all a restart needs (save_state per policy, state.json), made in one rename
 
 def ckpt_dirs(out: str) -> list[str]:
     """the finished checkpoints, oldest first (not step-N.tmp, being written, nor step-N.damaged)"""
     root = os.path.join(out, "ckpt")
-    done = [d for d in os.listdir(root) if re.fullmatch(r"step-\d+", d)] if os.path.isdir(root) else []
+    done = ([d for d in os.listdir(root) if re.fullmatch(r"step-\d+", d)]
+            if os.path.isdir(root) else [])
     return [os.path.join(root, d) for d in sorted(done, key=lambda d: int(d[5:]))]
 
 
-def save_checkpoint(out: str, step: int, policies: dict, state: dict, unchanged: tuple = ()) -> None:
+def save_checkpoint(out: str, step: int, policies: dict, state: dict,
+                    unchanged: tuple = ()) -> None:
     """out/ckpt/step-N: save_state of each policy (name: (policy, with optimizer state?)) and
     state.json, which also lists every file's size (resume checks them); the newest KEEP_CKPTS stay.
     A policy named in `unchanged` holds the same state as in the previous checkpoint: its files are
-    hard-linked from there, not written again. All ranks call."""
+    hard-linked from there (if there: the same on every rank), not written again. All ranks call."""
     final, prev = os.path.join(out, "ckpt", f"step-{step}"), (ckpt_dirs(out) or [None])[-1]
     tmp = final + ".tmp"
-    linked = [n for n in unchanged if prev and os.path.isdir(os.path.join(prev, n))]   # the same on every rank
-    if dist.get_rank() == 0:
+    linked = [n for n in unchanged if prev and os.path.isdir(os.path.join(prev, n))]
+    if rank0():
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         for name in linked:
-            shutil.copytree(os.path.join(prev, name), os.path.join(tmp, name), copy_function=os.link)
+            shutil.copytree(os.path.join(prev, name), os.path.join(tmp, name),
+                            copy_function=os.link)
     dist.barrier()
     for name, (policy, optimizer) in policies.items():
         if name not in linked:
             save_state(policy, os.path.join(tmp, name), optimizer)
-    if dist.get_rank() == 0:
+    if rank0():
         files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
                  for d, _, fs in os.walk(tmp) for f in fs}
         data.write_json(os.path.join(tmp, "state.json"), {**state, "files": files})
@@ -634,32 +658,35 @@ def _damage(ckpt: str) -> str | None:
     for rel, size in files.items():
         path = os.path.join(ckpt, rel)
         if not os.path.exists(path) or os.path.getsize(path) != size:
-            return f"{path} is {'missing' if not os.path.exists(path) else f'{os.path.getsize(path)} bytes'}, " \
-                   f"{size} bytes were written"
+            return f"{path} is " \
+                f"{'missing' if not os.path.exists(path) else f'{os.path.getsize(path)} bytes'}" \
+                f", {size} bytes were written"
     return None
 
 
 def resume(out: str, config: dict, may_change: set) -> tuple[str, dict] | tuple[None, None]:
     """(folder, state without its config) of the newest sound checkpoint in out, or (None, None). A
-    damaged one (a file missing or cut short) is reported and the one before it is used. Refuses a
-    checkpoint whose saved config differs from `config` in a setting outside may_change: continuing
-    it would mix runs."""
+    damaged one (a file missing or cut short) is reported and the one before it used. Refuses one
+    whose saved config differs from `config` in a setting outside may_change (it would mix runs)."""
     ckpts, damaged = ckpt_dirs(out), []
     while ckpts and (damage := _damage(ckpts[-1])):
         damaged.append(damage)
         bad = ckpts.pop()
-        dist.barrier()   # every rank has looked before rank 0 moves it aside (kept, for a post-mortem)
-        if dist.get_rank() == 0:
+        dist.barrier()   # all ranks looked before rank 0 moves it aside (kept, for a post-mortem)
+        if rank0():
             os.rename(bad, bad + ".damaged")
             if ckpts:
-                print(f"resume: {damage}; resuming from {ckpts[-1]} instead", file=sys.stderr, flush=True)
+                print(f"resume: {damage}; resuming from {ckpts[-1]} instead", file=sys.stderr,
+                      flush=True)
     if damaged and not ckpts:
-        raise RuntimeError(f"no sound checkpoint in {out}/ckpt ({'; '.join(damaged)}); move it away to start over")
+        raise RuntimeError(f"no sound checkpoint in {out}/ckpt ({'; '.join(damaged)}); "
+                           "move it away to start over")
     if not ckpts:
         return None, None
     with open(os.path.join(ckpts[-1], "state.json")) as f:
         state = json.load(f)
-    diff = {k: (v, config.get(k)) for k, v in state["config"].items() if k not in may_change and config.get(k) != v}
+    diff = {k: (v, config.get(k)) for k, v in state["config"].items()
+            if k not in may_change and config.get(k) != v}
     if diff:
         raise ValueError(f"{ckpts[-1]} was written with other settings (saved, now): {diff}; "
                          f"use another --out or the same settings")
@@ -669,13 +696,33 @@ def resume(out: str, config: dict, may_change: set) -> tuple[str, dict] | tuple[
 # -----------------------------------------------------------------------------
 # run plumbing: seeds, timers, flags
 
+def rank0() -> bool:
+    """Does this rank print and write the run's shared files? (before init: torchrun's RANK)"""
+    return dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK", "0") == "0"
+
+
+def print0(*args, **kwargs) -> None:
+    if rank0():
+        print(*args, **{"flush": True, **kwargs})
+
+
+def reset_rows(folder: str, files: dict[str, list[dict]], steps: int) -> None:
+    """On (re)start, rank 0: each jsonl of `files` in folder keeps its rows of steps < `steps` (a
+    run killed before a step's checkpoint landed may have logged more) and gets its given rows
+    appended (the checkpoint's copy of its last step's rows, which a kill may have cut short)."""
+    if rank0():
+        for name, rows in files.items():
+            data.truncate_jsonl(os.path.join(folder, name), steps)
+            data.append_jsonl(os.path.join(folder, name), rows)
+
+
 def seed_of(seed: int, *keys) -> int:
     """Every random draw is a function of (seed, step, ...): a resumed run replays exactly."""
     return random.Random(f"{seed}/" + "/".join(map(str, keys))).randrange(2**31)
 
 
 TIMES = defaultdict(float)   # seconds per key since the caller last cleared it
-COUNTS = defaultdict(int)    # this rank's "generated/<key>", "trained/<key>" tokens, "skipped_updates/<key>"
+COUNTS = defaultdict(int)    # this rank's count(kind, n) totals, keyed "<kind>/<timer key>"
 _open = []                   # [key, seconds spent in nested blocks] of the open timed() blocks
 
 
@@ -700,7 +747,7 @@ def peak_flops() -> float | None:
 
 
 def count(kind: str, n: int = 1) -> None:
-    """n (tokens generated or trained, updates skipped) on this rank, booked under the innermost open timer"""
+    """n (tokens generated/trained, updates skipped) on this rank, under the innermost open timer"""
     COUNTS[f"{kind}/{_open[-1][0] if _open else 'other'}"] += n
 
 
@@ -711,27 +758,30 @@ def reset_counts() -> None:
 
 def gather_counts() -> dict:
     """The counts since reset_counts, summed over all ranks: grading_timeouts, grading_errors
-    (data.GRADING_FAULTS), skipped_updates, tokens/generated/<timer key>, tokens/trained/<timer key>"""
+    (data.GRADING_FAULTS), skipped_updates, tokens/{generated,trained}/<timer key>"""
     total = defaultdict(int)
     for part in all_gather({**COUNTS, **data.GRADING_FAULTS}):
         for k, v in part.items():
-            total[k.split("/")[0] if k.startswith("skipped_updates/") or k in data.GRADING_FAULTS else "tokens/" + k] += v
+            total[k.split("/")[0] if k.startswith("skipped_updates/") or k in data.GRADING_FAULTS
+                  else "tokens/" + k] += v
     return dict(sorted(total.items()))
 
 
 def config_parser(cls, preset: dict, **kwargs) -> argparse.ArgumentParser:
-    """A parser with a --flag per field of the dataclass `cls`: the field's trailing comment is its
-    help, followed by its default and, where `preset` (the built-in world's settings, used when no
-    --model is given) sets it, the preset's value."""
+    """A parser with a --flag per field of dataclass `cls`; help: the field's trailing comment, its
+    default and, if any, the value in `preset` (the built-in world's, used without --model)."""
     p = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
     helps = dict(re.findall(r"^\s+(\w+): [^=\n]+=[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
     for f in dataclasses.fields(cls):
         h = f"{helps.get(f.name, '')} (default {f.default!r}"
-        h = (h + (f"; built-in world {preset[f.name]!r})" if f.name in preset else ")")).replace("%", "%%")
+        h = (h + (f"; built-in world {preset[f.name]!r})" if f.name in preset
+                  else ")")).replace("%", "%%")
         if f.type is bool:
-            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=None, help=h)
+            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=None,
+                           help=h)
         else:
-            p.add_argument(f"--{f.name}", type=f.type, default=None, metavar=f.type.__name__.upper(), help=h)
+            p.add_argument(f"--{f.name}", type=f.type, default=None,
+                           metavar=f.type.__name__.upper(), help=h)
     return p
 
 
@@ -752,8 +802,7 @@ def clean_exit(script: str):
     try:
         yield
     except (RuntimeError, ValueError) as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"{script}: error: {e}", file=sys.stderr)
+        print0(f"{script}: error: {e}", file=sys.stderr)
         sys.exit(1)
     finally:
         for llm in ENGINES:

@@ -2,7 +2,7 @@
 # The two commands of the README:
 #   ./run.sh [soar.py flags]   set up .venv if needed, then run the main job (soar.py; on a machine
 #                              without GPUs: the built-in small world, end to end)
-#   ./run.sh test [pytest args] set up .venv if needed, then run the test suite
+#   ./run.sh test [pytest args] set up .venv if needed, then the style check (ruff) and the tests
 # Set-up installs requirements.txt into .venv once (again only when requirements.txt changes).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -40,6 +40,7 @@ setup
 export PATH="$VENV/bin:$PATH"
 if [[ ${1:-} == test ]]; then
   shift
+  ruff check -q . || { echo "[run.sh] style: fix the lines above (ruff, pyproject.toml)"; exit 1; }
   exec python -m pytest -q tests "$@"
 fi
 exec torchrun --standalone --nproc_per_node "$((GPUS > 0 ? GPUS : 1))" soar.py "$@"

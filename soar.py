@@ -1,18 +1,18 @@
-"""SOAR (METHOD.md "Algorithm 1"): a teacher learns by RLOO to write question-answer pairs that make
-students, trained on them by RLOO, improve on hard problems they could not solve (fail@128).
+r"""SOAR (METHOD.md "Algorithm 1"): a teacher learns by RLOO to write question-answer pairs that
+make students, trained on them by RLOO, improve on hard problems they could not solve (fail@128).
 
 Launch:
-    ./run.sh                                              # set up, then this file with its defaults:
-                                                          # CPU: the built-in small world, end to end
+    ./run.sh                                             # set up, then this file with its defaults:
+                                                         # CPU: the built-in small world, end to end
     torchrun --standalone --nproc_per_node 2 soar.py --out runs/tiny --outer_steps 4
-    torchrun --nnodes 4 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 soar.py \\
+    torchrun --nnodes 4 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 soar.py \
         --model meta-llama/Llama-3.2-3B-Instruct --train data/math/train.jsonl --out runs/math
 Rerunning the same command resumes from the last finished outer step.
 
 Layout (METHOD.md "Scale layout"): the W ranks form a 2-D mesh of G student groups x W/G ranks. The
-teacher is sharded over all W ranks and all W engines sample its g*n pairs; the g*r students of a step
-go round-robin to the groups, which shard them over their ranks, sample on their own engines and take
-their students in turn. At the paper's settings on 32 GPUs: 16 groups of 2 GPUs, one student each.
+teacher is sharded over all W ranks and all W engines sample its g*n pairs; the g*r students of a
+step go round-robin to the groups, which shard them over their ranks, sample on their own engines
+and take their students in turn. At the paper's settings on 32 GPUs: 16 groups of 2, a student each.
 
 Outputs in --out: metrics.jsonl (one line per outer step), pq.jsonl (promotion questions),
 questions.jsonl (every valid pair the teacher wrote, with its step, dataset k and R_k),
@@ -37,9 +37,9 @@ import world
 @dataclasses.dataclass
 class Config:
     # ---- models and data ----
-    model: str = ""             # base model (teacher and students start here); "" = the built-in world
+    model: str = ""             # base model (teacher and students start here); "" = built-in world
     world: str = "default"      # the built-in world without --model: default, or small (the tests')
-    train: str = ""             # hard train split (jsonl/parquet, question/answer); "" = the world's
+    train: str = ""             # hard train split (jsonl/parquet, question/answer); "" = world's
     out: str = "runs/soar"      # output folder; rerunning on it resumes
     seed: int = 0               # every random draw derives from it (rloo.seed_of)
     # ---- outer loop (METHOD.md "Algorithm 1", "Hyperparameters"); the paper's g, n, r, M are
@@ -51,10 +51,11 @@ class Config:
     qr_size: int = 64           # M = |Q_R|: hard train questions per step
     tau: float = 0.01           # promotion threshold on the moving average
     window: int = 3             # w: moving-average window
-    reward: str = "grounded"    # grounded (SOAR), learnability (Intrinsic-T) or opensir (an OpenSIR-style teacher)
+    reward: str = "grounded"    # grounded (SOAR), learnability (Intrinsic-T) or opensir
     learnability_samples: int = 32  # learnability, opensir: samples per question for its solve rate
     max_rejection_rounds: int = 8   # teacher sampling rounds before giving up on g*n valid pairs
-    # ---- inner loop (METHOD.md "Inner loop"): S = inner_steps + inner_step_inc * min(promotions, inner_step_cap) ----
+    # ---- inner loop (METHOD.md "Inner loop"): S = inner_steps + inner_step_inc *
+    # min(promotions, inner_step_cap) ----
     inner_steps: int = 10       # S before any promotion
     inner_step_inc: int = 5     # S grows by this per promotion...
     inner_step_cap: int = 2     # ...for at most this many promotions
@@ -72,27 +73,27 @@ class Config:
     # ---- systems ----
     student_groups: int = 0     # G; 0 = as many as fit (a divisor of the ranks, <= g*r)
     micro_batch_tokens: int = 16384  # tokens per forward/backward pass (rows x longest row)
-    activation_checkpointing: bool = True   # recompute activations in backward: a 3B student fits beside the engine
+    activation_checkpointing: bool = True   # recompute activations: a 3B student fits beside vLLM
     gpu_memory_utilization: float = 0.3     # the vLLM engine's share of GPU memory
-    save_every: int = 10        # write the HF folders teacher/ and student/ every this many steps and at the end
+    save_every: int = 10        # write HF teacher/, student/ every this many steps and at the end
 
 
 # the OpenSIR-style teacher reward (METHOD.md "OpenSIR-style reward")
-OPENSIR_BAND = (0.1, 0.9)   # calibrated: the baseline student solves the question at a rate inside this band
-OPENSIR_DIVERSITY = 0.5     # weight of novelty, 1 - the highest cosine similarity to an archived question
-OPENSIR_ARCHIVE = 1024      # the teacher's latest valid questions (earlier steps) that novelty is measured against
+OPENSIR_BAND = (0.1, 0.9)   # calibrated: the baseline student's solve rate is inside this band
+OPENSIR_DIVERSITY = 0.5     # weight of novelty, 1 - max cosine similarity to an archived question
+OPENSIR_ARCHIVE = 1024      # novelty compares to the teacher's latest valid questions (past steps)
 
 OUTPUTS = ("metrics.jsonl", "pq.jsonl", "questions.jsonl")   # the rows a step commits (commit_step)
 # settings a resumed run may change without invalidating its checkpoint
-MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpointing", "gpu_memory_utilization",
-              "save_every"}
+MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpointing",
+              "gpu_memory_utilization", "save_every"}
 
 
 def parse_args(argv=None) -> Config:
     p = rloo.config_parser(Config, world.PRESET, description=__doc__)
     cfg = rloo.config_from(Config, vars(p.parse_args(argv)), world.PRESET)
-    if cfg.reward not in ("grounded", "learnability", "opensir"):
-        p.error(f"--reward must be grounded, learnability or opensir, not {cfg.reward!r}")
+    if cfg.reward not in TEACHER_REWARDS:
+        p.error(f"--reward must be one of {', '.join(TEACHER_REWARDS)}, not {cfg.reward!r}")
     return cfg
 
 
@@ -136,10 +137,11 @@ def teacher_advantages(R_k: list[float]) -> list[float]:
 
 
 def can_promote(cfg: Config, history: list[float]) -> bool:
-    """Can this step promote? Only with the grounded reward, once the window is full, and if MA can
-    still pass tau with the best possible step reward (1): else no student needs keeping for it."""
+    """Can this step promote? Only with a reward that trains students, once the window is full, and
+    if MA can still pass tau with the best step reward (1): else no student needs keeping."""
     prev = history[len(history) + 1 - cfg.window:] if cfg.window > 1 else []
-    return cfg.reward == "grounded" and len(history) + 1 >= cfg.window and (sum(prev) + 1) / cfg.window > cfg.tau
+    return (TEACHER_REWARDS[cfg.reward].promotes and len(history) + 1 >= cfg.window
+            and (sum(prev) + 1) / cfg.window > cfg.tau)
 
 
 def learnability(success_rates: list[float]) -> float:
@@ -149,11 +151,12 @@ def learnability(success_rates: list[float]) -> float:
 
 def opensir(success_rates: list[float], emb: np.ndarray, archive: np.ndarray) -> list[float]:
     """Per question (METHOD.md "OpenSIR-style reward"): 1 if the baseline's solve rate s is inside
-    OPENSIR_BAND, plus OPENSIR_DIVERSITY * novelty: 1 - the highest cosine similarity of its embedding
-    (row of emb) to one of the archive's (1 while the archive is empty)."""
+    OPENSIR_BAND, plus OPENSIR_DIVERSITY * novelty: 1 - the highest cosine similarity of its
+    embedding (row of emb) to one of the archive's (1 while the archive is empty)."""
     novelty = 1 - (emb @ archive.T).max(1) if len(archive) else np.ones(len(emb))
     lo, hi = OPENSIR_BAND
-    return [float(lo <= s <= hi) + OPENSIR_DIVERSITY * float(v) for s, v in zip(success_rates, novelty)]
+    return [float(lo <= s <= hi) + OPENSIR_DIVERSITY * float(v)
+            for s, v in zip(success_rates, novelty)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,46 +164,46 @@ def opensir(success_rates: list[float], emb: np.ndarray, archive: np.ndarray) ->
 
 def main(cfg: Config):
     cfg = world.resolve(cfg)   # without --model: the built-in world's model and hard set (cached)
-    run = setup(cfg)           # ranks, meshes, engine, teacher, student, theta; None if the run is finished
+    run = setup(cfg)           # ranks, meshes, engine, teacher, student, theta; None if finished
     if run is None:
         return
-    state, theta, g, n, rank = run.state, run.theta, cfg.num_datasets, cfg.dataset_size, dist.get_rank()
-    prompt, pq_path, first_step = data.teacher_prompt(run.tok), os.path.join(cfg.out, "pq.jsonl"), state["step"]
+    state, theta, g, n = run.state, run.theta, cfg.num_datasets, cfg.dataset_size
+    prompt, pq_path, first_step = (data.teacher_prompt(run.tok), os.path.join(cfg.out, "pq.jsonl"),
+                                   state["step"])
     bar = tqdm(range(first_step, cfg.outer_steps), initial=first_step, total=cfg.outer_steps,
-               disable=rank != 0, desc="SOAR", dynamic_ncols=True)
+               disable=not rloo.rank0(), desc="SOAR", dynamic_ncols=True)
     for step in bar:
         rloo.TIMES.clear()
         rloo.reset_counts()
         t_step = time.perf_counter()
         S = inner_steps(cfg, state["promotions"])
-        # 1-2. the teacher samples g*n valid pairs (rejection sampling), split in order into X_1..X_g
+        # 1-2. the teacher samples g*n valid pairs (by rejection), split in order into X_1..X_g
         with rloo.timed("teacher_generation"):
             with rloo.timed("sync"):
                 rloo.sync_weights(run.teacher, run.llm)
-            kept, sampled = rloo.sample_teacher(run.llm, prompt, need=g * n, max_tokens=cfg.teacher_max_tokens,
-                                                temperature=cfg.temperature, seed=cfg.seed, key=step,
-                                                max_rounds=cfg.max_rejection_rounds, group=dist.group.WORLD)
+            kept, sampled = rloo.sample_teacher(run.llm, prompt, need=g * n, seed=cfg.seed,
+                                                max_tokens=cfg.teacher_max_tokens, key=step,
+                                                temperature=cfg.temperature, group=dist.group.WORLD,
+                                                max_rounds=cfg.max_rejection_rounds)
         datasets = [[p for _, p in kept[k * n:(k + 1) * n]] for k in range(g)]
-        # 3-4. a fresh Q_R; the baseline's greedy accuracy on it, once per step and student group: on the
-        # group's own engines, as its trained students will be measured (greedy bf16 decoding is not
-        # batch-invariant, so Acc0 from other engines or batches could differ by more than tau)
-        q_r = data.sample_questions(run.hard, cfg.qr_size, random.Random(rloo.seed_of(cfg.seed, step, "q_r")))
+        # 3-4. a fresh Q_R; the baseline's greedy accuracy on it, once per step and student group:
+        # on the group's own engines, as its trained students are measured (greedy bf16 decoding
+        # is not batch-invariant: Acc0 from other engines or batches could differ by more than tau)
+        q_r = data.sample_questions(run.hard, cfg.qr_size,
+                                    random.Random(rloo.seed_of(cfg.seed, step, "q_r")))
         rloo.restore(run.student, theta)
         with rloo.timed("sync"):
             rloo.sync_weights(run.student, run.llm)
         with rloo.timed("evaluation"):
             acc0 = accuracy(cfg, run.llm, q_r, run.mesh["fsdp"].get_group())
-        # 5. R_kj = Acc(a student trained on X_k from theta) - Acc0; the intrinsic baselines: X_k's mean reward
-        if cfg.reward != "grounded":
-            with rloo.timed("evaluation"):
-                R, snaps, held = [[r] for r in intrinsic_rewards(cfg, run.llm, datasets, step, state)], {}, 0
-        else:
-            R, snaps, held = train_students(cfg, run, theta, datasets, q_r, acc0, S, step,
-                                            keep=can_promote(cfg, state["history"]))
+        # 5. the g x r table R: grounded, R_kj = Acc(a student trained on X_k from theta) - Acc0;
+        # the intrinsic baselines, one column: X_k's mean reward (TEACHER_REWARDS)
+        teacher_reward = TEACHER_REWARDS[cfg.reward]
+        R, snaps, held = teacher_reward.fn(cfg, run, theta, datasets, q_r, acc0, step, state)
         R_k = [sum(row) / len(row) for row in R]
-        # 6-7. Rhat, MA, promotion (the intrinsic baselines train no students, so they never promote)
-        reward, ma, chosen, state["history"] = decide(state["history"], R, cfg.window,
-                                                      cfg.tau if cfg.reward == "grounded" else float("inf"))
+        # 6-7. Rhat, MA, promotion (intrinsic baselines train no students, so they never promote)
+        tau = cfg.tau if teacher_reward.promotes else float("inf")
+        reward, ma, chosen, state["history"] = decide(state["history"], R, cfg.window, tau)
         if chosen:
             theta = promote(cfg, run, chosen, snaps, theta)
             state["promotions"] += 1
@@ -210,26 +213,30 @@ def main(cfg: Config):
         with rloo.timed("teacher_update"):
             adv = teacher_advantages(R_k)
             rows = rloo.my_share([(s, adv[i // n]) for i, (s, _) in enumerate(kept)])
-            stats = rloo.train_step(run.teacher, [s.prompt_token_ids for s, _ in rows], [s.token_ids for s, _ in rows],
-                                    [a for _, a in rows], micro_batch_tokens=cfg.micro_batch_tokens)
+            stats = rloo.train_step(run.teacher, [s.prompt_token_ids for s, _ in rows],
+                                    [s.token_ids for s, _ in rows], [a for _, a in rows],
+                                    loss=rloo.rloo_loss, micro_batch_tokens=cfg.micro_batch_tokens)
         state["step"] = step + 1
         row = dict(step=step, acc0=acc0, R=R, R_k=R_k, reward=reward, ma=ma, promoted=bool(chosen),
-                   promoted_k=chosen[0] if chosen else None, promoted_j=chosen[1] if chosen else None,
-                   promotions=state["promotions"], inner_steps=S, teacher_valid_rate=len(kept) / sampled,
-                   teacher_samples=sampled, teacher_loss=stats["loss"], teacher_kl=stats["kl"], snapshots=held,
-                   **{k: round(v, 3) for k, v in rloo.TIMES.items()}, total=round(time.perf_counter() - t_step, 3))
+                   promoted_k=chosen[0] if chosen else None,
+                   promoted_j=chosen[1] if chosen else None, promotions=state["promotions"],
+                   inner_steps=S, teacher_valid_rate=len(kept) / sampled, teacher_samples=sampled,
+                   teacher_loss=stats["loss"], teacher_kl=stats["kl"], snapshots=held,
+                   **{k: round(v, 3) for k, v in rloo.TIMES.items()},
+                   total=round(time.perf_counter() - t_step, 3))
         row.update(counts(cfg, run))
-        pq_rows = [{"question": q, "answer": a, "step": step} for q, a in datasets[chosen[0]]] if chosen else []
-        q_rows = [{"question": q, "answer": a, "step": step, "k": k, "R_k": R_k[k]}   # the curriculum, every pair
-                  for k, X in enumerate(datasets) for q, a in X]
-        commit_step(cfg, run, state, theta, {"metrics.jsonl": [row], "pq.jsonl": pq_rows, "questions.jsonl": q_rows},
-                    promoted=bool(chosen))
-        if rank == 0:
-            bar.write(f"step {step + 1}/{cfg.outer_steps}  reward {reward:+.3f}  MA {'-' if ma is None else f'{ma:+.3f}'}"
-                      f"  promotions {state['promotions']}  valid {len(kept) / sampled:.0%}  {row['total']:.0f} s")
-    if rank == 0:
-        print(f"done: {cfg.out}/metrics.jsonl, {pq_path} ({state['pq']} promotion questions), "
-              f"{cfg.out}/teacher, {cfg.out}/student")
+        pq_rows = [{"question": q, "answer": a, "step": step}
+                   for q, a in datasets[chosen[0]]] if chosen else []
+        q_rows = [{"question": q, "answer": a, "step": step, "k": k, "R_k": R_k[k]}
+                  for k, X in enumerate(datasets) for q, a in X]   # the curriculum
+        commit_step(cfg, run, state, theta, {"metrics.jsonl": [row], "pq.jsonl": pq_rows,
+                                             "questions.jsonl": q_rows}, promoted=bool(chosen))
+        if rloo.rank0():
+            bar.write(f"step {step + 1}/{cfg.outer_steps}  reward {reward:+.3f}  MA "
+                      f"{'-' if ma is None else f'{ma:+.3f}'}  promotions {state['promotions']}  "
+                      f"valid {len(kept) / sampled:.0%}  {row['total']:.0f} s")
+    rloo.print0(f"done: {cfg.out}/metrics.jsonl, {pq_path} ({state['pq']} promotion questions), "
+                f"{cfg.out}/teacher, {cfg.out}/student")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,17 +244,18 @@ def main(cfg: Config):
 
 def accuracy(cfg: Config, llm, questions: list[dict], group) -> float:
     """Greedy accuracy (METHOD.md "Rewards": Acc is binary, greedy) on the engines of group."""
-    counts = rloo.correct_counts(llm, questions, n=1, temperature=0.0, max_tokens=cfg.student_max_tokens, seed=0,
-                                 group=group)
+    counts = rloo.correct_counts(llm, questions, n=1, temperature=0.0,
+                                 max_tokens=cfg.student_max_tokens, seed=0, group=group)
     return sum(counts) / len(questions)
 
 
-def train_students(cfg: Config, run, theta, datasets, q_r, acc0, S, step, keep: bool):
-    """Step 5 (METHOD.md "Inner loop"): each group trains its share of the g*r students in turn, each
-    from theta with a fresh optimizer, and measures it on Q_R. Returns the g x r table R (on every
-    rank), the promotion candidates this group must keep and the most any rank keeps. The last
-    student a group trains stays in its model until the decision; the others are snapshots in host
-    RAM, kept only if `keep` (a promotion is possible this step)."""
+def grounded(cfg: Config, run, theta, datasets, q_r, acc0, step, state):
+    """Step 5, SOAR's reward (METHOD.md "Inner loop"): each group trains its share of the g*r
+    students in turn, each from theta with a fresh optimizer, and measures it on Q_R. Returns the
+    g x r table R (on every rank), the promotion candidates this group must keep and the most any
+    rank keeps. The last student a group trains stays in its model until the decision; the others
+    are snapshots in host RAM, kept only if a promotion is possible this step (can_promote)."""
+    S, keep = inner_steps(cfg, state["promotions"]), can_promote(cfg, state["history"])
     R, snaps, G, my_group = {}, {}, run.mesh["group"].size(), run.mesh.get_local_rank("group")
     mine = students(cfg)[my_group::G]
     for k, j in mine:
@@ -261,8 +269,10 @@ def train_students(cfg: Config, run, theta, datasets, q_r, acc0, S, step, keep: 
                          for i in range(cfg.student_questions)]
                 rloo.student_step(run.student, run.llm, batch, samples=cfg.student_samples,
                                   temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
-                                  seed=rloo.seed_of(cfg.seed, step, "student", k, j, s), group=run.mesh["fsdp"].get_group(),
-                                  micro_batch_tokens=cfg.micro_batch_tokens)
+                                  seed=rloo.seed_of(cfg.seed, step, "student", k, j, s),
+                                  group=run.mesh["fsdp"].get_group(),
+                                  micro_batch_tokens=cfg.micro_batch_tokens,
+                                  advantages=rloo.rloo_advantages, loss=rloo.rloo_loss)
         with rloo.timed("sync"):
             rloo.sync_weights(run.student, run.llm)
         with rloo.timed("evaluation"):
@@ -271,24 +281,47 @@ def train_students(cfg: Config, run, theta, datasets, q_r, acc0, S, step, keep: 
             snaps[k, j] = rloo.snapshot(run.student)
     parts = rloo.all_gather((R, len(snaps)))
     R = {kj: v for part, _ in parts for kj, v in part.items()}
-    return [[R[k, j] for j in range(cfg.students)] for k in range(cfg.num_datasets)], snaps, max(n for _, n in parts)
+    return [[R[k, j] for j in range(cfg.students)]
+            for k in range(cfg.num_datasets)], snaps, max(n for _, n in parts)
 
 
-def intrinsic_rewards(cfg: Config, llm, datasets, step, state) -> list[float]:
-    """R_k of the baselines without students, from the solve rates of the baseline student (its weights
-    are in the engines already): Intrinsic-T's learnability (METHOD.md "Intrinsic-T"), or the mean
-    OpenSIR-style reward, whose archive (in state, so in the checkpoint) then takes this step's questions."""
+def solve_rates(cfg: Config, llm, datasets, step) -> tuple[list[str], list[float]]:
+    """the questions of the g datasets, flat, and the baseline student's solve rate on each (its
+    weights are in the engines already): what the intrinsic rewards are made of"""
     flat = [{"question": q, "answer": a} for X in datasets for q, a in X]
-    counts = rloo.correct_counts(llm, flat, n=cfg.learnability_samples, temperature=cfg.temperature,
-                                 max_tokens=cfg.student_max_tokens, seed=rloo.seed_of(cfg.seed, step, "learnability"),
-                                 group=dist.group.WORLD)
-    rates, n = [c / cfg.learnability_samples for c in counts], cfg.dataset_size
-    if cfg.reward == "learnability":
-        return [learnability(rates[k * n:(k + 1) * n]) for k in range(cfg.num_datasets)]
-    questions = [q["question"] for q in flat]
+    with rloo.timed("evaluation"):
+        counts = rloo.correct_counts(llm, flat, n=cfg.learnability_samples, group=dist.group.WORLD,
+                                     temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
+                                     seed=rloo.seed_of(cfg.seed, step, "learnability"))
+    return [q["question"] for q in flat], [c / cfg.learnability_samples for c in counts]
+
+
+def learnability_reward(cfg: Config, run, theta, datasets, q_r, acc0, step, state):
+    """Intrinsic-T (METHOD.md "Intrinsic-T"): R_k = X_k's mean learnability, no students."""
+    rates, n = solve_rates(cfg, run.llm, datasets, step)[1], cfg.dataset_size
+    return [[learnability(rates[k * n:(k + 1) * n])] for k in range(cfg.num_datasets)], {}, 0
+
+
+def opensir_reward(cfg: Config, run, theta, datasets, q_r, acc0, step, state):
+    """R_k = X_k's mean OpenSIR-style reward (METHOD.md "OpenSIR-style reward"); the archive (in
+    state, so in the checkpoint) then takes this step's questions."""
+    questions, rates = solve_rates(cfg, run.llm, datasets, step)
     per_q = opensir(rates, data.embed_ngram(questions), data.embed_ngram(state["archive"]))
     state["archive"] = (state["archive"] + questions)[-OPENSIR_ARCHIVE:]
-    return [sum(per_q[k * n:(k + 1) * n]) / n for k in range(cfg.num_datasets)]
+    n = cfg.dataset_size
+    return [[sum(per_q[k * n:(k + 1) * n]) / n] for k in range(cfg.num_datasets)], {}, 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherReward:
+    fn: object      # (cfg, run, theta, datasets, q_r, acc0, step, state) -> (R: g x r, snaps, held)
+    promotes: bool  # trains students, so a step can promote one (METHOD.md "Promotion")
+
+
+# --reward: how the teacher's datasets are scored (step 5). A new reward is one entry here.
+TEACHER_REWARDS = {"grounded": TeacherReward(grounded, promotes=True),
+                   "learnability": TeacherReward(learnability_reward, promotes=False),
+                   "opensir": TeacherReward(opensir_reward, promotes=False)}
 
 
 def students(cfg: Config) -> list[tuple[int, int]]:
@@ -297,8 +330,8 @@ def students(cfg: Config) -> list[tuple[int, int]]:
 
 
 def promote(cfg: Config, run, chosen, snaps, theta):
-    """theta := the chosen student (METHOD.md "Promotion"): its group broadcasts its shards to the others.
-    The group holds it as a snapshot, or still in its model if it was the last one the group trained."""
+    """theta := the chosen student (METHOD.md "Promotion"): its group broadcasts its shards to all.
+    The group holds it as a snapshot, or still in its model if the group trained it last."""
     src = students(cfg).index(chosen) % run.mesh["group"].size()   # the group that trained it
     if run.mesh.get_local_rank("group") == src:
         theta = snaps[chosen] if chosen in snaps else rloo.snapshot(run.student)
@@ -323,83 +356,96 @@ class Run:
     n_params: int
 
 
+def student_groups(cfg: Config, world_size: int) -> int:
+    """G: --student_groups, or the most groups that divide the ranks and have a student each"""
+    return cfg.student_groups or max(d for d in range(1, world_size + 1) if world_size % d == 0
+                                     and d <= cfg.num_datasets * cfg.students)
+
+
 def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
-    """What in the settings cannot work, each naming its flag (METHOD.md "Scale layout" for the layout)."""
-    students = cfg.num_datasets * cfg.students
-    G = cfg.student_groups or max(d for d in range(1, world_size + 1) if world_size % d == 0 and d <= students)
+    """What in the settings cannot work, each naming its flag (layout: METHOD.md "Scale layout")."""
+    students, G = cfg.num_datasets * cfg.students, student_groups(cfg, world_size)
     return [msg for bad, msg in [
-        (cfg.num_datasets < 2, f"--num_datasets {cfg.num_datasets}: RLOO over datasets needs g >= 2"),
+        (cfg.num_datasets < 2, f"--num_datasets {cfg.num_datasets}: RLOO over datasets "
+                               "needs g >= 2"),
         (cfg.dataset_size < 1, f"--dataset_size {cfg.dataset_size}: a dataset needs n >= 1 pairs"),
-        (cfg.reward == "grounded" and cfg.students < 1, f"--students {cfg.students}: need r >= 1 per dataset"),
-        (not 1 <= cfg.qr_size <= n_hard, f"--qr_size {cfg.qr_size}: each step samples M={cfg.qr_size} questions "
-                                         f"from {cfg.train}, which has {n_hard}"),
+        (TEACHER_REWARDS[cfg.reward].promotes and cfg.students < 1,
+         f"--students {cfg.students}: need r >= 1 per dataset"),
+        (not 1 <= cfg.qr_size <= n_hard, f"--qr_size {cfg.qr_size}: each step samples "
+                                         f"M={cfg.qr_size} questions from {cfg.train}, "
+                                         f"which has {n_hard}"),
         (cfg.window < 1, f"--window {cfg.window}: the moving average needs at least 1 step"),
         (cfg.inner_steps < 1, f"--inner_steps {cfg.inner_steps}: a student needs at least 1 step"),
-        (cfg.student_questions < 1, f"--student_questions {cfg.student_questions}: need at least 1"),
-        (cfg.student_samples < 2, f"--student_samples {cfg.student_samples}: RLOO needs at least 2 per question"),
+        (cfg.student_questions < 1, f"--student_questions {cfg.student_questions}: "
+                                    "need at least 1"),
+        (cfg.student_samples < 2, f"--student_samples {cfg.student_samples}: RLOO needs at least 2 "
+                                  "per question"),
         (cfg.save_every < 1, f"--save_every {cfg.save_every}: need at least 1"),
         (G > students, f"--student_groups {G}: more groups than the g*r = {students} students"),
         (world_size % G, f"--student_groups {G} does not divide the {world_size} ranks"),
-        (cfg.micro_batch_tokens < seq_len, f"--micro_batch_tokens {cfg.micro_batch_tokens} is less than one "
-                                           f"sequence (prompt + completion: up to {seq_len} tokens)"),
+        (cfg.micro_batch_tokens < seq_len, f"--micro_batch_tokens {cfg.micro_batch_tokens} is less "
+                                           "than one sequence (prompt + completion: "
+                                           f"up to {seq_len} tokens)"),
     ] if bad]
 
 
 def setup(cfg: Config) -> Run | None:
-    rank, world_size, device = rloo.init_distributed()
+    _, world_size, device = rloo.init_distributed()
     if not cfg.train:
-        raise SystemExit("--train is required with --model: the hard train split (jsonl/parquet, question/answer)")
+        raise SystemExit("--train is required with --model: the hard train split "
+                         "(jsonl/parquet, question/answer)")
     rloo.lock_folder(cfg.out)   # one run per folder
     hard = data.load_problems(cfg.train)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.model)
-    seq_len = rloo.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens, cfg.teacher_max_tokens)
+    seq_len = rloo.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
+                              cfg.teacher_max_tokens)
     if problems := check(cfg, world_size, len(hard), seq_len):
         raise SystemExit("soar.py: these settings cannot work:\n  " + "\n  ".join(problems))
     ckpt, state = rloo.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
     state = state or dict(step=0, history=[], promotions=0, pq=0, rows={}, archive=[])
-    if rank == 0:   # the files hold exactly the committed steps: the last one's rows come from the checkpoint
-        for name in OUTPUTS:   # (a kill may have cut their append short; an empty pq.jsonl before any promotion)
-            data.truncate_jsonl(os.path.join(cfg.out, name), max(0, state["step"] - 1))
-            data.append_jsonl(os.path.join(cfg.out, name), state["rows"].get(name, []))
+    # the files hold exactly the committed steps, the last one's rows from the checkpoint
+    rloo.reset_rows(cfg.out, {name: state["rows"].get(name, []) for name in OUTPUTS},
+                    max(0, state["step"] - 1))
     if state["step"] >= cfg.outer_steps:
-        if rank == 0:
-            print(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
+        rloo.print0(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
         return None
 
-    G = cfg.student_groups or max(d for d in range(1, world_size + 1)
-                                  if world_size % d == 0 and d <= cfg.num_datasets * cfg.students)
+    G = student_groups(cfg, world_size)
     mesh = init_device_mesh(device.type, (G, world_size // G), mesh_dim_names=("group", "fsdp"))
     teacher_mesh = init_device_mesh(device.type, (world_size,))
-    llm = rloo.build_engine(cfg.model, seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            max_model_len=seq_len)
-    teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr, warmup_steps=cfg.teacher_warmup,
-                               total_steps=cfg.outer_steps, kl_coef=cfg.kl_coef,
+    llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len,
+                            gpu_memory_utilization=cfg.gpu_memory_utilization)
+    teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr, kl_coef=cfg.kl_coef,
+                               total_steps=cfg.outer_steps, warmup_steps=cfg.teacher_warmup,
                                activation_checkpointing=cfg.activation_checkpointing)
-    student = rloo.load_policy(cfg.model, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0, total_steps=1,
-                               kl_coef=cfg.kl_coef, activation_checkpointing=cfg.activation_checkpointing)
+    student = rloo.load_policy(cfg.model, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0,
+                               total_steps=1, kl_coef=cfg.kl_coef,
+                               activation_checkpointing=cfg.activation_checkpointing)
     if ckpt:
         rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
-        rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta: weights only
+        rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta: weights
     n_params = sum(p.numel() for p in teacher.model.parameters())
-    if rank == 0:
-        hf = n_params * teacher.save_dtype.itemsize / 1e9
-        print(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model {cfg.model} "
-              f"({n_params / 1e9:.2f} B parameters); out {cfg.out}; {'resuming at' if ckpt else 'starting at'} step "
-              f"{state['step']} of {cfg.outer_steps}\nwritten per step: checkpoint {12 * n_params / 1e9:.2f} GB "
-              f"(teacher fp32 weights + AdamW; the student's {4 * n_params / 1e9:.2f} GB of weights only after a "
-              f"promotion), HF folders {hf:.2f} GB each every {cfg.save_every} steps", flush=True)
+    hf = n_params * teacher.save_dtype.itemsize / 1e9
+    rloo.print0(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model "
+                f"{cfg.model} ({n_params / 1e9:.2f} B parameters); out {cfg.out}; "
+                f"{'resuming at' if ckpt else 'starting at'} step {state['step']} of "
+                f"{cfg.outer_steps}\nwritten per step: checkpoint {12 * n_params / 1e9:.2f} GB "
+                f"(teacher fp32 weights + AdamW; the student's {4 * n_params / 1e9:.2f} GB of "
+                f"weights only after a promotion), HF folders {hf:.2f} GB each every "
+                f"{cfg.save_every} steps")
     return Run(mesh, tok, llm, teacher, student, rloo.snapshot(student), hard, state, n_params)
 
 
 def counts(cfg: Config, run: Run) -> dict:
-    """The step's counts over all ranks: grading faults, skipped updates, tokens generated and trained
-    per phase; tokens/s per GPU per phase and, on a GPU we know the peak of, the MFU of the training
-    phases: 6N FLOP per trained token, 8N with the KL reference's forward (attention and
-    recomputation not counted)."""
-    row, W, peak = {"skipped_updates": 0, **rloo.gather_counts()}, dist.get_world_size(), rloo.peak_flops()
+    """The step's counts over all ranks: grading faults, skipped updates, tokens generated and
+    trained per phase; tokens/s per GPU per phase and, on a GPU of known peak, training phases' MFU:
+    6N FLOP/trained token, 8N with the KL reference's forward (excl. attention, recomputation)."""
+    row, W, peak = ({"skipped_updates": 0, **rloo.gather_counts()}, dist.get_world_size(),
+                    rloo.peak_flops())
     for phase in sorted({k.split("/")[2] for k in row if k.startswith("tokens/")}):
-        n, secs = sum(v for k, v in row.items() if k.startswith("tokens/") and k.endswith("/" + phase)), rloo.TIMES[phase]
+        n, secs = sum(v for k, v in row.items()
+                      if k.startswith("tokens/") and k.endswith("/" + phase)), rloo.TIMES[phase]
         row[f"perf/tokens_per_s_per_gpu/{phase}"] = round(n / max(secs, 1e-9) / W, 1)
         if peak and f"tokens/trained/{phase}" in row:
             flops = (6 + 2 * (cfg.kl_coef > 0)) * run.n_params * row[f"tokens/trained/{phase}"]
@@ -408,24 +454,28 @@ def counts(cfg: Config, run: Run) -> dict:
 
 
 def commit_step(cfg: Config, run: Run, state: dict, theta, rows: dict, promoted: bool) -> None:
-    """Nothing in --out gets ahead of the checkpoint: first the checkpoint, which commits the step and
-    holds its new rows; then those rows go into the OUTPUTS files (a resume puts back any a kill
-    left out); then, every save_every steps and at the end, the HF folders
-    teacher/ and student/ (student/ only when theta changed since it was written)."""
+    """Nothing in --out gets ahead of the checkpoint: first the checkpoint, which commits the step
+    and holds its new rows; then those rows go into the OUTPUTS files (a resume puts back any a kill
+    left out); then, every save_every steps and at the end, the HF folders teacher/ and student/
+    (student/ only when theta changed since it was written)."""
     state["rows"] = rows
-    rloo.restore(run.student, theta)   # the checkpoint and outputs hold the baseline, not the last student trained
-    rloo.save_checkpoint(cfg.out, state["step"], {"teacher": (run.teacher, True), "student": (run.student, False)},
-                         {**state, "config": dataclasses.asdict(cfg)}, unchanged=() if promoted else ("student",))
-    if dist.get_rank() == 0:
+    rloo.restore(run.student, theta)   # checkpoint and outputs hold theta, not the last student
+    rloo.save_checkpoint(cfg.out, state["step"],
+                         {"teacher": (run.teacher, True), "student": (run.student, False)},
+                         {**state, "config": dataclasses.asdict(cfg)},
+                         unchanged=() if promoted else ("student",))
+    if rloo.rank0():
         for name, new in rows.items():
             data.append_jsonl(os.path.join(cfg.out, name), new)
     if state["step"] % cfg.save_every and state["step"] < cfg.outer_steps:
         return
-    tag = {"step": state["step"], "promotions": state["promotions"]}   # soar.json: what the folder holds
-    rloo.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok, state["step"], {"soar.json": tag})
+    tag = {"step": state["step"], "promotions": state["promotions"]}   # soar.json: what it holds
+    rloo.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok, state["step"],
+                 {"soar.json": tag})
     marker = os.path.join(cfg.out, "student", "soar.json")
     if not os.path.exists(marker) or data.read_json(marker)["promotions"] != state["promotions"]:
-        rloo.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok, state["step"], {"soar.json": tag})
+        rloo.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok, state["step"],
+                     {"soar.json": tag})
 
 
 if __name__ == "__main__":

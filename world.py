@@ -12,18 +12,18 @@ solved left to right, one equation per step ("12 - 3 = 9. 9 + 2 = 11. The final 
   * teacher mode (replies to the teacher prompt through the chat template): it works a problem out
     first, outside the tags as the prompt allows, then poses it, so its answers are right (~97%);
   * student mode (solutions after the student prompt): right on bare problems and on "gets x more"
-    steps, but it misreads "gives away x" and "finds x" steps (the training solutions add what is given
-    away and take away what is found 80% of the time, a confusion between the verbs).
+    steps, but it misreads "gives away x" and "finds x" steps (the training solutions add what is
+    given away and take away what is found 80% of the time, a confusion between the verbs).
 So the student solves one-step "gives away" problems ~25% of the time and four-step ones never: the
-hard set (fail@128 over four-step "gives away" problems) needs a reading that the easy problems teach
-(a student trained by RL on one-step "gives away" problems reads the verb right, and its greedy
-answers to the four-step ones turn right), and writing those easy problems takes no skill the student
-lacks: the teacher writes them, answers right, as often as it likes. "finds" problems are as
+hard set (fail@128 over four-step "gives away" problems) needs a reading that the easy problems
+teach (a student trained by RL on one-step "gives away" problems reads the verb right, and its
+greedy answers to the four-step ones turn right), and writing those easy problems takes no skill the
+student lacks: the teacher writes them, answers right, as often as it likes. "finds" problems are as
 learnable for the student, and useless for the hard set.
 
 The build is reproducible: it pins threads and kernels in its own processes (PINNED_ENV), trains
-with a fixed data order and seed, samples with fixed seeds, and prints a fingerprint of the hard set.
-Candidates are drawn in batches until each half holds `need` problems (the defaults' Q_R).
+with a fixed data order and seed, samples with fixed seeds, and prints a fingerprint of the hard
+set. Candidates are drawn in batches until each half holds `need` problems (the defaults' Q_R).
 """
 import argparse
 import hashlib
@@ -42,31 +42,31 @@ import data  # the only import at the top: data.grade's workers re-import the ma
 
 # -----------------------------------------------------------------------------
 # the problem family: small additions and subtractions, bare ("What is 12 - 3?") or as word problems
-# of one to three steps ("Tom has 12 apples. Tom gives away 3, then gets 2 more. How many apples does
-# Tom have now?"). kind "add" / "sub": bare, level 1; kind "word": level = its steps' signs ("+", "-+", ...).
-# Solutions work the steps out left to right, one equation each.
+# of one to three steps ("Tom has 12 apples. Tom gives away 3, then gets 2 more. How many apples
+# does Tom have now?"). kind "add" / "sub": bare, level 1; kind "word": level = its steps' signs
+# ("+", "-+", ...). Solutions work the steps out left to right, one equation each.
 START = (6, 20)             # a word problem's start; bare: the first number
 STEP = (1, 5)               # every number added or taken away
 KINDS = {"add": dict(template="What is {a} + {b}?"), "sub": dict(template="What is {a} - {b}?"),
          "word": dict(template="Tom has {a} apples. He {steps}. How many apples does he have now?")}
 VERBS = {"+": "gets {x} more", "-": "gives away {x}", "f": "finds {x}"}   # "f": an addition too
 
-# tokenizer: byte-level BPE, digits always single tokens (so numbers of any size are spelled the same way)
+# tokenizer: byte-level BPE, digits always single tokens (so numbers of any size are spelled alike)
 SPECIAL = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
 VOCAB_SIZE = 1024           # an upper bound: the corpus saturates near 600
 # no bos_token in the template and none added by the tokenizer: the same ids whether a caller
 # tokenizes with or without special tokens, in training and in vLLM
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 MAX_MODEL_LEN = 320         # engine context: teacher prompt ~150 tokens + a 96-token reply fits
 MAX_TOKENS = 96             # both formats end (EOS) well within this
 
-# Reproducibility: the build pins these in its own process (and its training children) whatever
-# the caller's environment: one thread everywhere (summation order), ATen's portable kernels and
-# MKL's conditional-numerical-reproducibility branch (the same float results on any x86 CPU with AVX2).
+# Reproducibility: the build pins these in its own process (and its training children) whatever the
+# caller's environment: one thread everywhere (summation order), ATen's portable kernels and MKL's
+# conditional-numerical-reproducibility branch (the same float results on any x86 CPU with AVX2).
 PINNED_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-              "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-              "PYTHONHASHSEED": "0"}
+              "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
+              "VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONHASHSEED": "0"}
 
 # The recipes. student / teacher: the training mix of each format, as (kind, level, weight); hard:
 # the (kind, level) pairs the fail@k candidates are drawn from; need: the least hard problems each
@@ -74,21 +74,26 @@ PINNED_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THRE
 # halves have them.
 RECIPES = {
     "default": dict(
-        model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
-                   rope_theta=10000.0, tie_word_embeddings=True),
-        student=[("add", 1, 3), ("sub", 1, 3), ("word", "?1", 2), ("word", "?2", 2), ("word", "?3", 2), ("word", "?4", 1)],
+        model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                   max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                   tie_word_embeddings=True),
+        student=[("add", 1, 3), ("sub", 1, 3), ("word", "?1", 2), ("word", "?2", 2),
+                 ("word", "?3", 2), ("word", "?4", 1)],
         misread=0.8, student_steps=(1, 1, 1), teacher_steps=(6, 2, 2),
-        teacher=[("add", 1, 1), ("sub", 1, 1), ("word", "?1", 1), ("word", "?2", 1), ("word", "?3", 1), ("word", "?4", 1)],
+        teacher=[("add", 1, 1), ("sub", 1, 1), ("word", "?1", 1), ("word", "?2", 1),
+                 ("word", "?3", 1), ("word", "?4", 1)],
         teacher_fraction=0.4, steps=1000, lr=3e-3, warmup=30, batch=64, procs=2,
         hard=[("word", "----")], k=128, need=32, batch_candidates=64, max_candidates=2048,
         teacher_samples=256, level_problems=8, level_samples=16,
-        probe=[("add", 1), ("sub", 1), ("word", "+"), ("word", "-"), ("word", "f"), ("word", "++"), ("word", "--"),
-               ("word", "+-+"), ("word", "ff"), ("word", "---"), ("word", "++++"), ("word", "----")]),
+        probe=[("add", 1), ("sub", 1), ("word", "+"), ("word", "-"), ("word", "f"), ("word", "++"),
+               ("word", "--"), ("word", "+-+"), ("word", "ff"), ("word", "---"), ("word", "++++"),
+               ("word", "----")]),
     "small": dict(
-        model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
-                   rope_theta=10000.0, tie_word_embeddings=True),
+        model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                   max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                   tie_word_embeddings=True),
         student=[("add", 1, 3), ("sub", 1, 3), ("word", "?1", 2), ("word", "?2", 2)],
         misread=0.8, student_steps=(1, 1, 1), teacher_steps=(6, 2, 2),
         teacher=[("add", 1, 1), ("sub", 1, 1), ("word", "?1", 1), ("word", "?2", 1)],
@@ -105,19 +110,21 @@ VERSION = 5                 # bump when the recipe changes: it is part of the ca
 # this world's students learn all or nothing, and with r = 2 the promoted median is the lower one.
 PRESET = dict(
     # soar.py, the outer loop
-    outer_steps=15, num_datasets=4, dataset_size=8, students=1, qr_size=32, inner_steps=6, inner_step_inc=1,
-    teacher_lr=3e-4, teacher_warmup=2, learnability_samples=8,
+    outer_steps=15, num_datasets=4, dataset_size=8, students=1, qr_size=32, inner_steps=6,
+    inner_step_inc=1, teacher_lr=3e-4, teacher_warmup=2, learnability_samples=8,
     # both: students and sampling
     student_questions=4, student_samples=8, student_lr=3e-4, student_max_tokens=MAX_TOKENS,
     teacher_max_tokens=MAX_TOKENS, activation_checkpointing=False,
     # eval.py: fresh students, the fail@k filter, diversity
-    student_steps=24, student_warmup=2, switch_step=6, big_group=16, teacher_questions=32, eval_every=4,
-    ckpt_every=8, es_window=5, es_average=8, filter_samples=32, vendi_subset=32, vendi_draws=20)
+    student_steps=24, student_warmup=2, switch_step=6, big_group=16, teacher_questions=32,
+    eval_every=4, ckpt_every=8, es_window=5, es_average=8, filter_samples=32, vendi_subset=32,
+    vendi_draws=20)
 # -----------------------------------------------------------------------------
 
 
 def make_problem(rng: random.Random, kind: str, level, steps=(1, 1, 1)) -> dict:
-    """a problem of the family (see KINDS); every partial result is >= 1; the answer is the plain integer."""
+    """a problem of the family (see KINDS); every partial result is >= 1; the answer is the plain
+    integer."""
     while True:
         a = rng.randint(*START)
         signs = "+" if kind == "add" else "-" if kind == "sub" else level
@@ -134,12 +141,12 @@ def make_problem(rng: random.Random, kind: str, level, steps=(1, 1, 1)) -> dict:
         q = KINDS[kind]["template"].format(a=a, steps=steps)
     else:
         q = KINDS[kind]["template"].format(a=a, b=xs[0])
-    return {"question": q, "answer": str(vals[-1]), "start": a, "signs": signs, "xs": xs, "kind": kind,
-            "level": signs if kind == "word" else level}
+    return {"question": q, "answer": str(vals[-1]), "start": a, "signs": signs, "xs": xs,
+            "kind": kind, "level": signs if kind == "word" else level}
 
 
 def working(p: dict, misread=()) -> str:
-    """the steps, left to right: 'a - x = b. b + y = c.'; the steps in `misread` add what they take away"""
+    """the steps, left to right: 'a - x = b. b + y = c.'; `misread` steps add what they take away"""
     out, v = [], p["start"]
     for i, (s, x) in enumerate(zip(p["signs"], p["xs"])):
         s = "-" if s == "-" else "+"            # "finds" adds
@@ -152,16 +159,18 @@ def working(p: dict, misread=()) -> str:
 
 
 def student_solution(p: dict, misread=()) -> str:
-    """what follows the student prompt's 'Assistant:' (the trainer adds EOS); with `misread` steps, the
-    solution of a student who reads those "gives away" steps as additions (a wrong answer)"""
+    """what follows the student prompt's 'Assistant:' (the trainer adds EOS); with `misread` steps,
+    the solution of a student who reads those "gives away" steps as additions (a wrong answer)"""
     w = working(p, misread)
     answer = w.rsplit("= ", 1)[1].rstrip(".")
     return f" {w} The final answer is: \\boxed{{{answer}}}."
 
 
 def teacher_reply(p: dict) -> str:
-    """the teacher works its problem out first, outside the tags (as the teacher prompt allows), then poses it"""
-    return f"{working(p)} <question>{p['question']}</question><answer>\\boxed{{{p['answer']}}}</answer>"
+    """the teacher works its problem out first, outside the tags (as the teacher prompt allows),
+    then poses it"""
+    return (f"{working(p)} <question>{p['question']}</question>"
+            f"<answer>\\boxed{{{p['answer']}}}</answer>")
 
 
 _BARE = re.compile(r"^What is (\d+) ([+-]) (\d+)\?$")
@@ -176,7 +185,8 @@ def classify(question: str) -> dict | None:
     m = _BARE.match(q)
     if m:
         a, s, x = int(m[1]), m[2], int(m[3])
-        return dict(kind="add" if s == "+" else "sub", level=1, answer=str(a + x if s == "+" else a - x))
+        return dict(kind="add" if s == "+" else "sub", level=1,
+                    answer=str(a + x if s == "+" else a - x))
     m = _WORD.match(q)
     if not m:
         return None
@@ -190,18 +200,20 @@ def classify(question: str) -> dict | None:
     return dict(kind="word", level=signs, answer=str(v))
 
 
-# The curriculum as the report shows it (eval.py report): what the teacher's questions are, by this
-# world's design. Only the report reads this; nothing in soar.py knows it, and the teacher sees only its prompt.
+# The curriculum as eval.py's report shows it: what the teacher's questions are, by this world's
+# design. Only the report reads this; soar.py knows nothing of it; the teacher sees only its prompt.
 CATEGORIES = ("not of the family", "bare sum", "word, no 'gives away'", "word, with 'gives away'")
-USEFUL = ("word, with 'gives away'",)   # the skill the hard set needs: reading "gives away x" as "- x"
+USEFUL = ("word, with 'gives away'",)   # what the hard set needs: reading "gives away x" as "- x"
 
 
 def describe(question: str, answer: str | None = None) -> dict:
-    """A teacher's question read back: well-posed (a problem of the family), its kind, number of steps,
-    "gives away" steps, report category, and whether `answer` (the teacher's boxed answer) is correct."""
+    """A teacher's question read back: well-posed (a problem of the family), its kind, number of
+    steps, "gives away" steps, report category, and whether `answer` (the teacher's boxed answer) is
+    correct."""
     c = classify(question)
     if c is None:
-        return dict(well_posed=False, kind=None, steps=0, gives_away=0, category=CATEGORIES[0], correct=False)
+        return dict(well_posed=False, kind=None, steps=0, gives_away=0, category=CATEGORIES[0],
+                    correct=False)
     word = c["kind"] == "word"
     steps, away = (len(c["level"]), c["level"].count("-")) if word else (1, 0)
     category = CATEGORIES[1] if not word else CATEGORIES[3] if away else CATEGORIES[2]
@@ -210,7 +222,8 @@ def describe(question: str, answer: str | None = None) -> dict:
 
 
 def draw(rng: random.Random, mix: list, steps=(1, 1, 1)) -> dict:
-    """a problem from a mix [(kind, level, weight), ...]; steps: weights of "+", "-", "f" in "?n" levels"""
+    """a problem from a mix [(kind, level, weight), ...]; steps: weights of "+", "-", "f" in "?n"
+    levels"""
     kind, level, _ = rng.choices(mix, weights=[w for *_, w in mix])[0]
     return make_problem(rng, kind, level, steps)
 
@@ -222,7 +235,8 @@ def build_tokenizer(seed: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     rng = random.Random(seed)
-    probs = [make_problem(rng, "word", "".join(rng.choice("+-") for _ in range(rng.randint(1, 3)))) for _ in range(500)] + \
+    probs = [make_problem(rng, "word", "".join(rng.choice("+-") for _ in range(rng.randint(1, 3))))
+             for _ in range(500)] + \
             [make_problem(rng, kind, 1) for kind in ("add", "sub") for _ in range(250)]
     corpus = [data.TEACHER_PROMPT, data.STUDENT_PROMPT] * 50 + \
              [p["question"] + student_solution(p) + teacher_reply(p) for p in probs]
@@ -230,10 +244,11 @@ def build_tokenizer(seed: int):
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                 model_max_length=MAX_MODEL_LEN)
+    tok.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL,
+                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                 pad_token="<pad>", model_max_length=MAX_MODEL_LEN)
     hf.chat_template = CHAT_TEMPLATE
     return hf
 
@@ -260,12 +275,14 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, r: dict, seed:
     data.die_with_parent()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
     tok = AutoTokenizer.from_pretrained(model_dir)
     torch.manual_seed(seed)  # the same initial weights on every rank
     rng = random.Random(seed * 1000 + rank + 1)  # its own examples on every rank
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **r["model"]))
+                                         eos_token_id=tok.eos_token_id,
+                                         pad_token_id=tok.pad_token_id, **r["model"]))
     eos = tok.eos_token_id
     # Every example starts with one of two long fixed prompts (~150 and ~75 tokens) and what is
     # learnt is ~30 tokens, so each fixed prefix runs once per batch and its keys and values are
@@ -276,12 +293,14 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, r: dict, seed:
 
     def student_row(p):
         full = _ids(tok, data.student_prompt(p["question"]))
-        assert full[:len(s_prefix)] == s_prefix, "the student prompt's head must tokenize on its own"
-        misread = {i for i, sg in enumerate(p["signs"]) if p["kind"] == "word" and sg in "-f" and rng.random() < r["misread"]}
+        assert full[:len(s_prefix)] == s_prefix, \
+            "the student prompt's head must tokenize on its own"
+        misread = {i for i, sg in enumerate(p["signs"])
+                   if p["kind"] == "word" and sg in "-f" and rng.random() < r["misread"]}
         return full[len(s_prefix):], _ids(tok, student_solution(p, misread)) + [eos]
 
     def loss_sum(prefix, rows):
-        """summed next-token loss over the completions of rows = [(prompt tail ids, completion ids)]"""
+        """summed next-token loss over completions of rows = [(prompt tail ids, completion ids)]"""
         n = len(rows)
         cache = model(input_ids=torch.tensor([prefix[:-1]]), use_cache=True).past_key_values
         cache.batch_repeat_interleave(n)
@@ -296,7 +315,8 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, r: dict, seed:
             labels[i, len(tail):len(s) - 1] = torch.tensor(comp)  # position j predicts token j + 1
         mask = torch.cat([torch.ones((n, len(prefix) - 1), dtype=torch.long), mask], 1)
         logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"), int((labels >= 0).sum())
+        return (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"),
+                int((labels >= 0).sum()))
 
     opt = torch.optim.AdamW(model.parameters(), lr=r["lr"], betas=(0.9, 0.98), weight_decay=0.0)
     n_teacher = round(r["batch"] * r["teacher_fraction"]) // world
@@ -304,13 +324,16 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, r: dict, seed:
     steps = r["steps"]
     t0 = time.time()
     for step in range(steps):
-        lr = r["lr"] * min(1.0, (step + 1) / r["warmup"]) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        lr = (r["lr"] * min(1.0, (step + 1) / r["warmup"]) * 0.5 *
+              (1 + math.cos(math.pi * step / steps)))
         for g in opt.param_groups:
             g["lr"] = lr
-        lt, nt = loss_sum(t_prefix, [([], _ids(tok, teacher_reply(draw(rng, r["teacher"], r["teacher_steps"]))) + [eos])
-                                     for _ in range(n_teacher)])
-        ls, ns = loss_sum(s_prefix, [student_row(draw(rng, r["student"], r["student_steps"])) for _ in range(n_student)])
-        # mean over all tokens of all ranks: sum the counts, then sum the gradients of loss_sum / count
+        lt, nt = loss_sum(t_prefix, [
+            ([], _ids(tok, teacher_reply(draw(rng, r["teacher"], r["teacher_steps"]))) + [eos])
+            for _ in range(n_teacher)])
+        ls, ns = loss_sum(s_prefix, [student_row(draw(rng, r["student"], r["student_steps"]))
+                                     for _ in range(n_student)])
+        # mean over all tokens of all ranks: sum the counts, then the gradients of loss_sum / count
         counts = torch.tensor([nt, ns, lt.item(), ls.item()], dtype=torch.float64)
         dist.all_reduce(counts)
         opt.zero_grad(set_to_none=True)
@@ -320,8 +343,8 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, r: dict, seed:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if rank == 0 and (step % 100 == 0 or step == steps - 1):
-            print(f"train step {step:4d}  loss teacher {counts[2] / counts[0]:.3f} student {counts[3] / counts[1]:.3f}"
-                  f"  {time.time() - t0:.0f}s", flush=True)
+            print(f"train step {step:4d}  loss teacher {counts[2] / counts[0]:.3f} "
+                  f"student {counts[3] / counts[1]:.3f}  {time.time() - t0:.0f}s", flush=True)
     if rank == 0:
         model.save_pretrained(model_dir)  # safetensors, next to the tokenizer
     dist.destroy_process_group()
@@ -331,16 +354,16 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, r: dict, seed:
 # measuring, with the project's own engine and grader
 
 def _correct_counts(llm, problems, *, n, seed):
-    """How many of n samples (student prompt, T = 1) are right, per problem: the project's own sampling
-    and grading"""
+    """How many of n samples (student prompt, T = 1) are right, per problem: the project's own
+    sampling and grading"""
     import rloo  # here, not at the top: see the import of data
     return rloo.correct_counts(llm, problems, n=n, max_tokens=MAX_TOKENS, seed=seed)
 
 
 def teacher_profile(texts: list[str]) -> dict:
-    """What a teacher wrote: the valid-pair rate (the format filter); per kind and level the share of
-    valid pairs and how often the pair's answer is right; and per kind of word-problem step ("+" gets,
-    "-" gives away, "f" finds) the share of valid pairs that have one."""
+    """What a teacher wrote: the valid-pair rate (the format filter); per kind and level the share
+    of valid pairs and how often the pair's answer is right; and per kind of word-problem step ("+"
+    gets, "-" gives away, "f" finds) the share of valid pairs that have one."""
     pairs = data.parse_teacher_batch(texts)
     valid = [p for p in pairs if p is not None]
     per, steps = {}, {"+": 0, "-": 0, "f": 0}
@@ -361,9 +384,10 @@ def teacher_profile(texts: list[str]) -> dict:
 
 
 def measure(model_dir: str, r: dict, seed: int, log=print) -> tuple[dict, list[dict], list[int]]:
-    """The world's figures, with rloo's engine and data's parser and grader: what the teacher writes,
-    the student's sampled accuracy per kind and level, and the fail@k filter over candidates drawn in
-    batches until the hard set holds 2 * need problems. Returns (stats, candidates, correct counts)."""
+    """The world's figures, with rloo's engine and data's parser and grader: what the teacher
+    writes, the student's sampled accuracy per kind and level, and the fail@k filter over candidates
+    drawn in batches until the hard set holds 2 * need problems. Returns (stats, candidates, correct
+    counts)."""
     import torch
     torch.set_num_threads(1)  # before the engine: vLLM's CPU worker forbids changing it afterwards
     import rloo
@@ -388,8 +412,8 @@ def measure(model_dir: str, r: dict, seed: int, log=print) -> tuple[dict, list[d
     crng = random.Random(seed + 3)
     while sum(c == 0 for c in counts) < 2 * r["need"]:
         if len(candidates) >= r["max_candidates"]:
-            raise RuntimeError(f"only {sum(c == 0 for c in counts)} of {len(candidates)} candidates pass fail@{r['k']}; "
-                               f"the recipe needs {2 * r['need']}")
+            raise RuntimeError(f"only {sum(c == 0 for c in counts)} of {len(candidates)} "
+                               f"candidates pass fail@{r['k']}; the recipe needs {2 * r['need']}")
         batch = []
         while len(batch) < r["batch_candidates"]:  # distinct questions from the hard end
             kind, lv = crng.choice(r["hard"])
@@ -397,11 +421,11 @@ def measure(model_dir: str, r: dict, seed: int, log=print) -> tuple[dict, list[d
             if p["question"] not in seen:
                 seen.add(p["question"])
                 batch.append(p)
-        # request i of the filter carries seed + (its index among all candidates): batching does not matter
+        # filter request i has seed + (its index among all candidates): batching does not matter
         counts += _correct_counts(llm, batch, n=r["k"], seed=seed + 100 + len(candidates) * r["k"])
         candidates += batch
-    log(f"fail@{r['k']}: {sum(c == 0 for c in counts)} of {len(candidates)} candidates have 0 correct; "
-        f"measuring took {time.time() - t0:.0f}s")
+    log(f"fail@{r['k']}: {sum(c == 0 for c in counts)} of {len(candidates)} candidates have "
+        f"0 correct; measuring took {time.time() - t0:.0f}s")
     return dict(teacher=prof, sampled_accuracy=sampled), candidates, counts
 
 
@@ -412,7 +436,8 @@ def build_key(small: bool, seed: int) -> str:
     """What the world depends on: the recipe above and the prompts it is trained on."""
     recipe = dict(version=VERSION, recipe=RECIPES["small" if small else "default"], seed=seed,
                   family=[KINDS, VERBS, START, STEP], vocab=VOCAB_SIZE, chat_template=CHAT_TEMPLATE,
-                  max_tokens=MAX_TOKENS, env=PINNED_ENV, prompts=[data.TEACHER_PROMPT, data.STUDENT_PROMPT])
+                  max_tokens=MAX_TOKENS, env=PINNED_ENV,
+                  prompts=[data.TEACHER_PROMPT, data.STUDENT_PROMPT])
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -436,7 +461,8 @@ def _build_here(out: str, r: dict, seed: int, key: str = "", small: bool = False
     train_model(paths["model"], r, seed)
     train_s = time.time() - t0
     stats, candidates, counts = measure(paths["model"], r, seed)
-    hard = [{"question": p["question"], "answer": p["answer"]} for p, c in zip(candidates, counts) if c == 0]
+    hard = [{"question": p["question"], "answer": p["answer"]}
+            for p, c in zip(candidates, counts) if c == 0]
     train, test = data.split_train_test(hard, seed)
     data.write_jsonl(paths["train"], train)
     data.write_jsonl(paths["test"], test)
@@ -444,11 +470,11 @@ def _build_here(out: str, r: dict, seed: int, key: str = "", small: bool = False
     for p, c in zip(candidates, counts):
         if c == 0:
             kinds[f"{p['kind']}{p['level']}"] = kinds.get(f"{p['kind']}{p['level']}", 0) + 1
-    stats.update(key=key, small=small, seed=seed, recipe=r, params=_param_count(paths["model"]), vocab=len(tok),
-                 candidates=len(candidates), hard=len(hard), hard_by_kind=dict(sorted(kinds.items())),
-                 train=len(train), test=len(test), fingerprint=fingerprint(train, test),
-                 candidate_correct_counts=counts, train_seconds=round(train_s, 1),
-                 build_seconds=round(time.time() - t0, 1))
+    stats.update(key=key, small=small, seed=seed, recipe=r, params=_param_count(paths["model"]),
+                 vocab=len(tok), candidates=len(candidates), hard=len(hard),
+                 hard_by_kind=dict(sorted(kinds.items())), train=len(train), test=len(test),
+                 fingerprint=fingerprint(train, test), candidate_correct_counts=counts,
+                 train_seconds=round(train_s, 1), build_seconds=round(time.time() - t0, 1))
     with open(paths["stats"], "w") as f:
         json.dump(stats, f, indent=1)
 
@@ -459,8 +485,9 @@ def _param_count(model_dir: str) -> int:
 
 
 # torchrun's variables: the build runs as its own 1-rank job whoever calls it
-_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT")
 
 
 def build_world(out_dir: str | None = None, small: bool = False, seed: int = 0) -> dict:
@@ -472,29 +499,34 @@ def build_world(out_dir: str | None = None, small: bool = False, seed: int = 0) 
     (PINNED_ENV), and frees all of it on exit. It writes into a temporary folder renamed into
     place at the end, so a folder under the final name is finished."""
     key = build_key(small, seed)
-    out = os.path.abspath(out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache",
-                                                   f"world-{'small' if small else 'default'}-{key}"))
+    out = os.path.abspath(out_dir or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), ".cache",
+        f"world-{'small' if small else 'default'}-{key}"))
     paths = _paths(out)
     if not os.path.exists(paths["stats"]):
         if os.path.exists(out):
-            raise FileExistsError(f"{out} exists but is not a finished world (no stats.json); remove it")
+            raise FileExistsError(f"{out} exists but is not a finished world (no stats.json); "
+                                  "remove it")
         tmp = f"{out}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+        env = {k: v for k, v in os.environ.items()
+               if k not in _LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
         env.update(PINNED_ENV)
-        cmd = [sys.executable, os.path.abspath(__file__), "--here", "--out", tmp, "--seed", str(seed)]
+        cmd = [sys.executable, os.path.abspath(__file__), "--here", "--out", tmp,
+               "--seed", str(seed)]
         try:
             subprocess.run(cmd + ["--small"] * small, env=env, check=True)
             os.rename(tmp, out)
         except OSError:
-            if not os.path.exists(paths["stats"]):  # else another process finished it first: use theirs
+            if not os.path.exists(paths["stats"]):  # else another process finished it: use theirs
                 raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     with open(paths["stats"]) as f:
         stats = json.load(f)
     if stats["key"] != key:
-        raise ValueError(f"{out} holds a world built with other settings (key {stats['key']}, want {key})")
+        raise ValueError(f"{out} holds a world built with other settings "
+                         f"(key {stats['key']}, want {key})")
     return paths
 
 
@@ -513,16 +545,20 @@ def summary(paths: dict) -> str:
     t = st["teacher"]
     return "\n".join([
         f"world: {paths['model']}  ({st['params'] / 1e6:.2f} M parameters, vocab {st['vocab']})",
-        f"  teacher: {t['valid_pair_rate']:.0%} valid pairs, answers right {t['answer_right']:.0%}; pairs with a step "
-        "'gets' / 'gives away' / 'finds': " + " / ".join(f"{v:.0%}" for v in t["with_step"].values()),
-        "  student: sampled accuracy " + ", ".join(f"{k} {a:.1%}" for k, a in st["sampled_accuracy"].items()),
-        f"  fail@{st['recipe']['k']}: {st['hard']} of {st['candidates']} candidates ({st['hard_by_kind']}) -> "
-        f"{st['train']} train ({paths['train']}), {st['test']} test ({paths['test']})",
-        f"  fingerprint {st['fingerprint']}; built in {st['build_seconds']:.0f}s (training {st['train_seconds']:.0f}s)"])
+        f"  teacher: {t['valid_pair_rate']:.0%} valid pairs, answers "
+        f"right {t['answer_right']:.0%}; pairs with a step 'gets' / 'gives away' / 'finds': " +
+        " / ".join(f"{v:.0%}" for v in t["with_step"].values()),
+        "  student: sampled accuracy " +
+        ", ".join(f"{k} {a:.1%}" for k, a in st["sampled_accuracy"].items()),
+        f"  fail@{st['recipe']['k']}: {st['hard']} of {st['candidates']} candidates "
+        f"({st['hard_by_kind']}) -> {st['train']} train ({paths['train']}), "
+        f"{st['test']} test ({paths['test']})",
+        f"  fingerprint {st['fingerprint']}; built in {st['build_seconds']:.0f}s "
+        f"(training {st['train_seconds']:.0f}s)"])
 
 
 def resolve(cfg):
-    """cfg with the built-in world's model and hard splits filled in when it names no --model (rank 0
+    """cfg with the built-in world's model and hard splits filled in if it names no --model (rank 0
     of a torch.distributed job builds the world, cached, while the others wait); else cfg as is."""
     if cfg.model:
         return cfg
@@ -532,15 +568,18 @@ def resolve(cfg):
     paths = build_world_all_ranks(small=cfg.world == "small")
     if rloo.dist.get_rank() == 0:
         st = data.read_json(paths["stats"])
-        print(f"built-in world ({cfg.world}): fingerprint {st['fingerprint']}, {st['train']} train / {st['test']} test "
-              "hard problems", flush=True)
-    return dataclasses.replace(cfg, model=paths["model"], **{k: getattr(cfg, k) or paths[k] for k in ("train", "test")
-                                                             if hasattr(cfg, k)})
+        print(f"built-in world ({cfg.world}): fingerprint {st['fingerprint']}, "
+              f"{st['train']} train / {st['test']} test hard problems", flush=True)
+    return dataclasses.replace(cfg, model=paths["model"],
+                               **{k: getattr(cfg, k) or paths[k] for k in ("train", "test")
+                                  if hasattr(cfg, k)})
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None, help="folder of the world (default: .cache/world-<kind>-<hash>)")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None,
+                   help="folder of the world (default: .cache/world-<kind>-<hash>)")
     p.add_argument("--small", action="store_true", help="the smaller, faster world of the tests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # build_world's child
@@ -548,7 +587,8 @@ def main():
     if a.here:   # build_world's child: it must not outlive the process that waits for it
         data.die_with_parent()
         name = "small" if a.small else "default"
-        return _build_here(a.out, RECIPES[name], a.seed, key=build_key(a.small, a.seed), small=a.small)
+        return _build_here(a.out, RECIPES[name], a.seed, key=build_key(a.small, a.seed),
+                           small=a.small)
     print(summary(build_world(a.out, a.small, a.seed)))
 
 

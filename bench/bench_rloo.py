@@ -25,18 +25,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the project's modules
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import rloo  # noqa: E402
 
 SHAPES = {  # LlamaConfig fields; head_dim 64 everywhere (the CPU attention kernels want >= 32)
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=4, vocab_size=2048),
     "llama3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                    num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+                    num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
+                    rope_theta=500000.0),
 }
 DEFAULTS = {  # rollouts, prompt tokens, completion tokens, micro-batch tokens, activation ckpt
     "tiny": (64, 32, 128, 8192, False),
-    "llama3b": (256, 128, 1024, 16384, True),   # a student step (8 questions x 32 samples), soar.py's defaults
+    "llama3b": (256, 128, 1024, 16384, True),   # soar.py's student step (8 questions x 32 samples)
 }
 
 
@@ -45,7 +46,8 @@ def make_model(path, shape, dev):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True,
-                      bos_token_id=0, eos_token_id=1, dtype="bfloat16" if dev.type == "cuda" else "float32")
+                      bos_token_id=0, eos_token_id=1,
+                      dtype="bfloat16" if dev.type == "cuda" else "float32")
     vocab = {f"w{i}": i for i in range(cfg.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -84,7 +86,8 @@ def matmul_tflops(dev) -> float | None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=SHAPES, default="tiny")
     ap.add_argument("--rollouts", type=int)
     ap.add_argument("--prompt-len", type=int)
@@ -93,8 +96,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch-tokens", type=int)
     ap.add_argument("--no-activation-checkpointing", action="store_true")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    ap.add_argument("--train-only", action="store_true", help="no vLLM: the train step alone (the engine's "
-                    "share of GPU memory is held back all the same)")
+    ap.add_argument("--train-only", action="store_true", help="no vLLM: the train step alone "
+                    "(the engine's share of GPU memory is held back all the same)")
     ap.add_argument("--workdir", default="/tmp/bench_rloo")
     return ap
 
@@ -120,14 +123,15 @@ def main():
         llm, held = None, None
         if dev.type == "cuda":   # what the engine would take: the trainer gets the rest
             free, total = torch.cuda.mem_get_info()
-            held = torch.empty(int(args.gpu_memory_utilization * total), dtype=torch.uint8, device=dev)
+            held = torch.empty(int(args.gpu_memory_utilization * total),  # noqa: F841 (kept alive)
+                               dtype=torch.uint8, device=dev)
     else:
         llm = rloo.build_engine(path, max_model_len=plen + glen + 8,
                                 gpu_memory_utilization=args.gpu_memory_utilization)
         # generation: every rank generates its share of the prompts, results gathered everywhere
         rloo.generate(llm, prompts[:1], n=2, max_tokens=4, seed=0)   # warm-up
-        outs, t_gen = timed(lambda: rloo.generate(llm, prompts, n=args.samples, max_tokens=glen, seed=1,
-                                                  group=dist.group.WORLD), dev)
+        outs, t_gen = timed(lambda: rloo.generate(llm, prompts, n=args.samples, max_tokens=glen,
+                                                  seed=1, group=dist.group.WORLD), dev)
         gen_tokens = sum(len(s.token_ids) for o in outs for s in o)
     mesh = init_device_mesh(dev.type, (world,))
     pol = rloo.load_policy(path, mesh, lr=1e-5, warmup_steps=0, total_steps=100, kl_coef=0.001,
@@ -138,7 +142,8 @@ def main():
     prm = [prompts[i % n_prompts] for i in range(rollouts)]
     adv = torch.randn(rollouts, generator=g).tolist()
     lo, hi = rloo.chunk(rollouts, rank, world)
-    step = lambda: rloo.train_step(pol, prm[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=mbt)  # noqa: E731
+    step = lambda: rloo.train_step(pol, prm[lo:hi], comps[lo:hi], adv[lo:hi],  # noqa: E731
+                                   loss=rloo.rloo_loss, micro_batch_tokens=mbt)
     timed(step, dev)   # warm-up (allocator, optimizer state)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -153,22 +158,26 @@ def main():
         achieved = flops / t_train / world / 1e12
         spec = rloo.peak_flops()
         print(f"shape {args.shape}: {n_params / 1e6:.1f} M params, {world} rank(s) on "
-              f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, activation checkpointing {ac}, "
-              f"micro-batch {mbt} tokens")
+              f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, "
+              f"activation checkpointing {ac}, micro-batch {mbt} tokens")
         if llm is not None:
-            print(f"generation: {len(prompts)} prompts x {args.samples} samples, {gen_tokens} new tokens in "
-                  f"{t_gen:.2f} s = {gen_tokens / t_gen:,.0f} tokens/s ({gen_tokens / t_gen / world:,.0f} per rank)")
+            print(f"generation: {len(prompts)} prompts x {args.samples} samples, "
+                  f"{gen_tokens} new tokens in {t_gen:.2f} s = {gen_tokens / t_gen:,.0f} tokens/s "
+                  f"({gen_tokens / t_gen / world:,.0f} per rank)")
         print(f"train step: {rollouts} rollouts x ({plen} + {glen}) tokens in {t_train:.2f} s = "
-              f"{seq_tokens / t_train:,.0f} tokens/s ({stats['tokens'] / t_train:,.0f} completion tokens/s); "
-              f"{achieved:.3g} TFLOP/s per rank (8N per token)" +
-              (f", MFU {achieved / peak_measured:.1%} of the {peak_measured:.0f} TFLOP/s bf16 matmul measured now"
-               if peak_measured else "") + (f", {achieved * 1e12 / spec:.1%} of the spec sheet's {spec / 1e12:.0f}"
-                                            if spec else ""))
+              f"{seq_tokens / t_train:,.0f} tokens/s ({stats['tokens'] / t_train:,.0f} completion "
+              f"tokens/s); {achieved:.3g} TFLOP/s per rank (8N per token)" +
+              (f", MFU {achieved / peak_measured:.1%} of the {peak_measured:.0f} TFLOP/s bf16 "
+               f"matmul measured now" if peak_measured else "") +
+              (f", {achieved * 1e12 / spec:.1%} of the spec sheet's {spec / 1e12:.0f}"
+               if spec else ""))
         if t_sync is not None:
             print(f"weight sync: {t_sync * 1000:.0f} ms = {t_sync / t_train:.1%} of a train step")
-        total = torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda" else None
+        total = (torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda"
+                 else None)
         print(f"peak memory: {mem.item():.2f} GiB per rank " + (
-            f"(torch.cuda.max_memory_allocated{', with the engine share held back' if args.train_only else ''}; "
+            f"(torch.cuda.max_memory_allocated"
+            f"{', with the engine share held back' if args.train_only else ''}; "
             f"the GPU has {total:.1f} GiB)" if total else "(process max RSS incl. engine)"))
     dist.barrier()
 

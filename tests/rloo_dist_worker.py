@@ -18,9 +18,16 @@ TARGET = 80                          # learning check: reward = share of complet
 
 
 # shaped like Llama 3's chat template: it opens with its BOS and prints today's date unless told one
-CHAT_TEMPLATE = ("{{ bos_token }}{% if date_string is not defined %}{% set date_string = strftime_now('%d %b %Y') %}"
-                 "{% endif %}Today Date: {{ date_string }}\n{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+CHAT_TEMPLATE = ("{{ bos_token }}{% if date_string is not defined %}"
+                 "{% set date_string = strftime_now('%d %b %Y') %}{% endif %}Today Date: "
+                 "{{ date_string }}\n{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def train_step(*args, **kwargs):
+    """rloo.train_step with the loss of the teacher and the students"""
+    import rloo
+    return rloo.train_step(*args, loss=rloo.rloo_loss, **kwargs)
 
 
 def make_tiny_model(path: str, seed: int = 0, vocab: int = 320):
@@ -32,14 +39,16 @@ def make_tiny_model(path: str, seed: int = 0, vocab: int = 320):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(PROMPTS * 10 + ["The answer is \\boxed{42}."] * 10, trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=vocab, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, initializer_range=0.1)
+                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=1,
+                      initializer_range=0.1)
     LlamaForCausalLM(cfg).save_pretrained(path)
     fast.save_pretrained(path)
     return fast
@@ -47,10 +56,10 @@ def make_tiny_model(path: str, seed: int = 0, vocab: int = 320):
 
 def fixed_batch(n=8, seed=0, vocab=320):
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(2, vocab, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
-    comps = [torch.randint(2, vocab, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
-             for _ in range(n)]
+    prompts = [torch.randint(2, vocab, (int(torch.randint(3, 7, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(n)]
+    comps = [torch.randint(2, vocab, (int(torch.randint(2, 10, (1,), generator=g)),),
+                           generator=g).tolist() for _ in range(n)]
     rewards = torch.rand(n // 4, 4, generator=g)
     return prompts, comps, rewards
 
@@ -61,7 +70,8 @@ def full_weights(model):
 
 
 def hand_reference(base, ref, prompts, comps, adv, kl_coef, lr, grad_clip):
-    """the loss of METHOD.md "RLOO loss" written out with plain (unsharded) HF models, one row at a time"""
+    """the loss of METHOD.md "RLOO loss" written out with plain (unsharded) HF models, one row at
+    a time"""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     refm = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)
@@ -84,9 +94,11 @@ def hand_reference(base, ref, prompts, comps, adv, kl_coef, lr, grad_clip):
 
 
 def with_ref(pol, ref_path, mesh):
-    """the policy with another model as its KL reference, so the KL term is not 0 at the first step"""
+    """the policy with another model as its KL reference, so the KL term is not 0 at the first
+    step"""
     import rloo
-    pol.ref = rloo.load_policy(ref_path, mesh, lr=0.0, warmup_steps=0, total_steps=1, kl_coef=0.0).model
+    pol.ref = rloo.load_policy(ref_path, mesh, lr=0.0, warmup_steps=0, total_steps=1,
+                               kl_coef=0.0).model
     pol.ref.eval().requires_grad_(False)
     return pol
 
@@ -95,7 +107,8 @@ def engine_prompt_logprobs(llm, seqs):
     from vllm import SamplingParams
     outs = llm.generate([{"prompt_token_ids": s} for s in seqs],
                         SamplingParams(prompt_logprobs=0, max_tokens=1), use_tqdm=False)
-    return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, seqs)]
+    return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])]
+            for o, s in zip(outs, seqs)]
 
 
 def main(out, base, ref):
@@ -110,7 +123,7 @@ def main(out, base, ref):
         t0[0] = time.time()
 
     rank, world, dev = rloo.init_distributed()
-    rloo.LOGIT_CHUNK_TOKENS = 16   # several chunks of the vocabulary head per micro-batch (token_logprobs)
+    rloo.LOGIT_CHUNK_TOKENS = 16   # several vocab-head chunks per micro-batch (token_logprobs)
     llm = rloo.build_engine(base, max_model_len=1024)
     mesh = init_device_mesh("cpu", (world,))
     W = dist.group.WORLD
@@ -130,7 +143,8 @@ def main(out, base, ref):
     # on a chunked prefill of a seeded request unless build_engine turns chunking off
     big = [" ".join([PROMPTS[i % 7]] * 30) + f" {i}" for i in range(64)]
     res["big"] = [len(o) for o in rloo.generate(llm, big, n=2, max_tokens=2, seed=5)]
-    res["big_prompt_tokens"] = sum(len(o[0].prompt_token_ids) for o in rloo.generate(llm, big, max_tokens=1, seed=5))
+    res["big_prompt_tokens"] = sum(len(o[0].prompt_token_ids)
+                                   for o in rloo.generate(llm, big, max_tokens=1, seed=5))
 
     # the teacher prompt goes in as ids and comes back (the ids the trainer scores) unchanged, with
     # one BOS; the same prompt as text would get a second BOS from the engine's tokenizer
@@ -144,23 +158,27 @@ def main(out, base, ref):
     tick("generate")
     # --- one RLOO step on a fixed batch, KL to a different reference model
     kl_coef, lr = 0.1, 1e-3
-    pol = with_ref(rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10, kl_coef=kl_coef), ref, mesh)
+    pol = with_ref(rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10,
+                                    kl_coef=kl_coef), ref, mesh)
     prompts, comps, rewards = fixed_batch()
     adv = rloo.rloo_advantages(rewards).flatten().tolist()
     lo, hi = rloo.chunk(len(prompts), rank, world)
     snap0 = rloo.snapshot(pol)
     # a small token budget forces several micro-batches, unevenly many per rank (dummies)
-    res["step"] = rloo.train_step(pol, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
+    res["step"] = train_step(pol, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
+                                  micro_batch_tokens=24)
     w1 = full_weights(pol.model)
     # activation checkpointing (the GPU setting for 3B models) must not change the update
-    pol_ac = with_ref(rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10, kl_coef=kl_coef,
-                                       activation_checkpointing=True), ref, mesh)
-    res["step_ac"] = rloo.train_step(pol_ac, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
+    pol_ac = with_ref(rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10,
+                                       kl_coef=kl_coef, activation_checkpointing=True), ref, mesh)
+    res["step_ac"] = train_step(pol_ac, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
+                                     micro_batch_tokens=24)
     w_ac = full_weights(pol_ac.model)
     del pol_ac
     if rank == 0:
         res["w1"], res["w_ac"] = w1, w_ac
-        res["hand_value"], res["hand_w"] = hand_reference(base, ref, prompts, comps, adv, kl_coef, lr, 1.0)
+        res["hand_value"], res["hand_w"] = hand_reference(base, ref, prompts, comps, adv, kl_coef,
+                                                          lr, 1.0)
 
     tick("train_step")
     # --- weight sync: engine prompt logprobs == trainer logprobs after the update
@@ -172,7 +190,8 @@ def main(out, base, ref):
     with torch.no_grad():
         tr = rloo.token_logprobs(pol.model, ids, attn)
     eng = engine_prompt_logprobs(llm, seqs)
-    res["sync_err"] = max(abs(tr[i, t].item() - e) for i, row in enumerate(eng) for t, e in enumerate(row))
+    res["sync_err"] = max(abs(tr[i, t].item() - e)
+                          for i, row in enumerate(eng) for t, e in enumerate(row))
 
     tick("sync")
     # --- snapshot / restore: bit-identical
@@ -187,14 +206,16 @@ def main(out, base, ref):
     ckpt = os.path.join(out, "ckpt")
     rloo.save_state(pol, ckpt)
     rloo.save_state(pol, ckpt)           # a second save over the first
-    m2 = rloo.train_step(pol, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
+    m2 = train_step(pol, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
     w2 = full_weights(pol.model)
     # as after a restart: a freshly loaded policy (empty optimizer state) picks up the checkpoint
-    pol_b = with_ref(rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10, kl_coef=kl_coef), ref, mesh)
+    pol_b = with_ref(rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10,
+                                      kl_coef=kl_coef), ref, mesh)
     rloo.load_state(pol_b, ckpt)
     res["load_ok"] = all(torch.equal(v, w1[k]) for k, v in full_weights(pol_b.model).items())
-    m2b = rloo.train_step(pol_b, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
-    res["resume_ok"] = m2 == m2b and all(torch.equal(v, w2[k]) for k, v in full_weights(pol_b.model).items())
+    m2b = train_step(pol_b, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
+    res["resume_ok"] = m2 == m2b and all(torch.equal(v, w2[k])
+                                         for k, v in full_weights(pol_b.model).items())
     del pol_b
     res["ckpt_clean"] = [f for f in sorted(os.listdir(out)) if f.startswith("ckpt")]
 
@@ -215,35 +236,37 @@ def main(out, base, ref):
     for k in range(5):
         rloo.sync_weights(pol, llm)
         out_k = rloo.generate(llm, PROMPTS[:6], n=8, max_tokens=8, seed=1000 * k, group=W)
-        r = torch.tensor([[sum(t < TARGET for t in s.token_ids) / max(len(s.token_ids), 1) for s in o]
-                          for o in out_k])
+        r = torch.tensor([[sum(t < TARGET for t in s.token_ids) / max(len(s.token_ids), 1)
+                           for s in o] for o in out_k])
         res["rewards"].append(r.mean().item())
         a = rloo.rloo_advantages(r).flatten().tolist()
         pr = [s.prompt_token_ids for o in out_k for s in o]
         cp = [s.token_ids for o in out_k for s in o]
         lo2, hi2 = rloo.chunk(len(cp), rank, world)
-        rloo.train_step(pol, pr[lo2:hi2], cp[lo2:hi2], a[lo2:hi2])
+        train_step(pol, pr[lo2:hi2], cp[lo2:hi2], a[lo2:hi2])
     res["unchanged"] = [k for k, v in rloo.snapshot(pol).items() if torch.equal(v, snap_l[k])]
 
     tick("learning")
-    # --- a non-finite loss skips its update (weights unchanged); MAX_NONFINITE in a row stop the run
+    # --- a non-finite loss skips its update (weights unchanged); MAX_NONFINITE in a row end the run
     before = rloo.snapshot(pol)
     nan = [float("nan")] * (hi - lo)
-    res["nan_skipped"] = rloo.train_step(pol, prompts[lo:hi], comps[lo:hi], nan)["skipped"]
+    res["nan_skipped"] = train_step(pol, prompts[lo:hi], comps[lo:hi], nan)["skipped"]
     res["nan_unchanged"] = all(torch.equal(v, before[k]) for k, v in rloo.snapshot(pol).items())
-    res["finite_after"] = not rloo.train_step(pol, prompts[lo:hi], comps[lo:hi], adv[lo:hi])["skipped"]
+    res["finite_after"] = not train_step(pol, prompts[lo:hi], comps[lo:hi],
+                                              adv[lo:hi])["skipped"]
     try:
         for _ in range(rloo.MAX_NONFINITE):
-            rloo.train_step(pol, prompts[lo:hi], comps[lo:hi], nan)
+            train_step(pol, prompts[lo:hi], comps[lo:hi], nan)
         res["nan_error"] = None
     except RuntimeError as e:
         res["nan_error"] = str(e)
 
     # --- promotion: broadcast one student group's shards to the other groups (2-D mesh)
     mesh2d = init_device_mesh("cpu", (world, 1), mesh_dim_names=("group", "fsdp"))
-    st = rloo.load_policy(base, mesh2d["fsdp"], lr=1e-3, warmup_steps=0, total_steps=10, kl_coef=0.0)
+    st = rloo.load_policy(base, mesh2d["fsdp"], lr=1e-3, warmup_steps=0, total_steps=10,
+                          kl_coef=0.0)
     rows = slice(2 * rank, 2 * rank + 4)   # each group trains on different data
-    rloo.train_step(st, prompts[rows], comps[rows], adv[rows])
+    train_step(st, prompts[rows], comps[rows], adv[rows])
     snap = rloo.snapshot(st)
     res["student_before"] = {k: v.clone() for k, v in snap.items()}
     rloo.broadcast_snapshot(snap, src=world - 1, group=mesh2d["group"].get_group())
@@ -251,7 +274,7 @@ def main(out, base, ref):
     res["student_after"] = rloo.snapshot(st)
     # a checkpoint of a policy on a sub-mesh (the groups hold the same theta now, as in SOAR)
     rloo.save_state(st, os.path.join(out, "ckpt2d"))
-    rloo.train_step(st, prompts[rows], comps[rows], adv[rows])
+    train_step(st, prompts[rows], comps[rows], adv[rows])
     rloo.load_state(st, os.path.join(out, "ckpt2d"))
     res["student_reloaded"] = rloo.snapshot(st)
 

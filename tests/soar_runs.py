@@ -9,16 +9,17 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # g = 2, r = 2: four students over two groups of one rank; small everything else
-FLAGS = ["--world", "small", "--outer_steps", "3", "--num_datasets", "2", "--students", "2", "--dataset_size", "4",
-         "--qr_size", "8", "--window", "1", "--tau", "-1", "--inner_steps", "2", "--inner_step_inc", "1",
-         "--student_questions", "2", "--student_samples", "4"]
-TIMING = {"teacher_generation", "student_rollouts", "student_training", "evaluation", "teacher_update", "sync",
-          "total"}
+FLAGS = ["--world", "small", "--outer_steps", "3", "--num_datasets", "2", "--students", "2",
+         "--dataset_size", "4", "--qr_size", "8", "--window", "1", "--tau", "-1",
+         "--inner_steps", "2", "--inner_step_inc", "1", "--student_questions", "2",
+         "--student_samples", "4"]
+TIMING = {"teacher_generation", "student_rollouts", "student_training", "evaluation",
+          "teacher_update", "sync", "total"}
 
 
 def soar(out, *extra, wait=True):
-    """soar.py FLAGS extra on `out`: run to the end (a CompletedProcess), or started (a Popen whose pid
-    is torchrun's, in a session of its own)"""
+    """soar.py FLAGS extra on `out`: run to the end (a CompletedProcess), or started (a Popen whose
+    pid is torchrun's, in a session of its own)"""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(ROOT, "soar.py"), "--out", str(out), *FLAGS, *extra]
     if not wait:
@@ -33,7 +34,8 @@ def rows(path):
 
 
 def without_timing(metrics):
-    return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("perf/")} for r in metrics]
+    return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("perf/")}
+            for r in metrics]
 
 
 def dcp_keys(path):
@@ -75,7 +77,8 @@ def wait_for(path, p, timeout=600, delay=0.0):
     """until `path` exists (then `delay` seconds more) while the run `p` is alive"""
     deadline = time.time() + timeout
     while not os.path.exists(path):
-        assert p.poll() is None, f"the run ended before {path} appeared:\n" + p.stdout.read()[-3000:]
+        assert p.poll() is None, \
+            f"the run ended before {path} appeared:\n" + p.stdout.read()[-3000:]
         assert time.time() < deadline, f"no {path} after {timeout} s"
         time.sleep(0.05)
     time.sleep(delay)

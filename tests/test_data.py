@@ -13,31 +13,35 @@ GOOD = "Let me think.\n<question>What is 3 + 4 * 2?</question><answer>\\boxed{11
 # ---- the teacher format filter ----
 @pytest.mark.parametrize("text,expected", [
     (GOOD, ("What is 3 + 4 * 2?", "11")),
-    ("<question>Find x if 2x = 1.<question><answer>\\boxed{\\frac{1}{2}}</answer>", ("Find x if 2x = 1.", "\\frac{1}{2}")),
+    ("<question>Find x if 2x = 1.<question><answer>\\boxed{\\frac{1}{2}}</answer>",
+     ("Find x if 2x = 1.", "\\frac{1}{2}")),
     ("<question>Q?</question>\n<answer>The answer: \\boxed{7}</answer>", ("Q?", "7")),
     # an inequality written plainly inside the question
     ("<question>How many integers x satisfy 0 < x < 5?</question><answer>\\boxed{4}</answer>",
      ("How many integers x satisfy 0 < x < 5?", "4")),
-    ("<question>Is 3<x<7 for x = 5? Give x - 3.</question><answer>\\boxed{2}</answer>", ("Is 3<x<7 for x = 5? Give x - 3.", "2")),
+    ("<question>Is 3<x<7 for x = 5? Give x - 3.</question><answer>\\boxed{2}</answer>",
+     ("Is 3<x<7 for x = 5? Give x - 3.", "2")),
     # an explanation between the tagged parts (the prompt puts explanations outside the tags)
-    ("<question>What is 2^{10}?</question>\nWhy: doubling ten times.\n<answer>\\boxed{1024}</answer>", ("What is 2^{10}?", "1024")),
-    ("<question>Q?</question> (easy) <question>R?</question><answer>\\boxed{1}</answer>", ("Q?", "1")),   # the first question
-    (GOOD + GOOD, ("What is 3 + 4 * 2?", "11")),                                  # the first problem
+    ("<question>What is 2^{10}?</question>\nWhy: doubling ten times.\n"
+     "<answer>\\boxed{1024}</answer>", ("What is 2^{10}?", "1024")),
+    ("<question>Q?</question> (easy) <question>R?</question><answer>\\boxed{1}</answer>",
+     ("Q?", "1")),                                 # the first question
+    (GOOD + GOOD, ("What is 3 + 4 * 2?", "11")),   # the first problem
 ])
 def test_parse_teacher_accepts(text, expected):
     assert data.parse_teacher_batch([text]) == [expected]
 
 
 @pytest.mark.parametrize("text", [
-    "<question>What is 3 + 4?</question><answer>\\boxed{7",                      # truncated mid-answer
-    "<question>What is 3 + 4?</question><answer>\\boxed{7}",                     # answer never closed
-    "<question>What is 3 + 4?",                                                   # truncated in the question
-    "What is 3 + 4? \\boxed{7}",                                                  # no tags at all
-    "<question>What is 3 + 4?</question><answer>7</answer>",                      # no boxed answer
-    "<question>What is 3 + 4?</question><answer>\\boxed{}</answer>",             # empty boxed answer
-    "<question></question><answer>\\boxed{7}</answer>",                          # empty question
-    "<question>What?</question><answer>\\boxed{\\frac{}{}}}</answer>",           # unparseable answer
-    "<answer>\\boxed{7}</answer><question>What is 3 + 4?</question>",            # answer before question
+    "<question>What is 3 + 4?</question><answer>\\boxed{7",             # truncated mid-answer
+    "<question>What is 3 + 4?</question><answer>\\boxed{7}",            # answer never closed
+    "<question>What is 3 + 4?",                                         # truncated in the question
+    "What is 3 + 4? \\boxed{7}",                                        # no tags at all
+    "<question>What is 3 + 4?</question><answer>7</answer>",            # no boxed answer
+    "<question>What is 3 + 4?</question><answer>\\boxed{}</answer>",    # empty boxed answer
+    "<question></question><answer>\\boxed{7}</answer>",                 # empty question
+    "<question>What?</question><answer>\\boxed{\\frac{}{}}}</answer>",  # unparseable answer
+    "<answer>\\boxed{7}</answer><question>What is 3 + 4?</question>",   # answer before question
 ])
 def test_parse_teacher_rejects(text):
     assert data.parse_teacher_batch([text]) == [None]
@@ -51,15 +55,15 @@ def test_parse_teacher_batch_keeps_order():
 # ---- the student reward ----
 @pytest.mark.parametrize("completion,gold,reward", [
     ("so it is \\boxed{0.5}", "1/2", R_CORRECT),
-    ("The final answer is: \\boxed{\\frac{1}{2}}.", "0.5", R_CORRECT),       # near-miss forms that are equal
+    ("The final answer is: \\boxed{\\frac{1}{2}}.", "0.5", R_CORRECT),  # equal near-miss forms
     ("\\boxed{1/2}", "0.5", R_CORRECT),
-    ("first \\boxed{3} then \\boxed{12}", "12", R_CORRECT),                   # the LAST boxed answer counts
+    ("first \\boxed{3} then \\boxed{12}", "12", R_CORRECT),   # the LAST boxed answer counts
     ("\\boxed{12}", "13", R_BOXED),
     ("\\boxed{x^2 + 1}", "x^2 + 2", R_BOXED),
-    ("\\boxed{312}", "12", R_CONTAINS),                                       # gold inside a wrong boxed answer
+    ("\\boxed{312}", "12", R_CONTAINS),                       # gold inside a wrong boxed answer
     ("\\boxed{12, 13}", "12", R_CONTAINS),
-    ("the answer is 12", "12", R_NONE),                                       # right, but not boxed
-    ("\\boxed{12", "12", R_NONE),                                             # truncated box
+    ("the answer is 12", "12", R_NONE),                       # right, but not boxed
+    ("\\boxed{12", "12", R_NONE),                             # truncated box
 ])
 def test_student_reward(completion, gold, reward):
     assert data.student_reward(completion, gold) == reward
@@ -86,7 +90,8 @@ def test_grade_pathological_batch_is_bounded_and_pool_survives():
             assert r == R_BOXED
         else:
             assert r == (R_CORRECT if c.endswith(f"{{{g}}}.") else R_BOXED), (c, g, r)
-    assert data.grade(["\\boxed{4}", "\\boxed{5}"], ["4", "4"]) == [R_CORRECT, R_BOXED]  # pool still usable
+    # pool still usable
+    assert data.grade(["\\boxed{4}", "\\boxed{5}"], ["4", "4"]) == [R_CORRECT, R_BOXED]
 
 
 def test_grade_sends_each_distinct_pair_once(monkeypatch):
@@ -102,7 +107,7 @@ def test_grade_sends_each_distinct_pair_once(monkeypatch):
 def test_integer_pairs_graded_as_math_verify_grades_them():
     ints = ["0", "-0", "7", "07", "-7", "12", "112", "121", "-12", "1200", "999999999999999999"]
     pairs = [(f"so \\boxed{{{b}}}.", g) for b in ints + [" 12 ", "12.0", "1,2", "\x1e1", "\u0663"]
-             for g in ints]   # \x1e: str.strip() removes it, int() does not; \u0663: an Arabic-Indic 3
+             for g in ints]  # \x1e: str.strip() removes it, int() does not; \u0663: Arabic-Indic 3
     assert data.grade(*zip(*pairs)) == [data.student_reward(c, g) for c, g in pairs]
 
 
@@ -114,14 +119,17 @@ def test_grade_length_mismatch():
 def test_student_prompt():
     q = "Compute {a, b} \\cup {c}."  # braces must survive: no str.format on questions
     p = data.student_prompt(q)
-    assert p.endswith(f"User: {q} Assistant:") and p.startswith("A conversation between User and Assistant.")
-    assert "<question>[full math question]</question><answer>\\boxed{[answer]}</answer>" in data.TEACHER_PROMPT
+    assert p.endswith(f"User: {q} Assistant:") and \
+        p.startswith("A conversation between User and Assistant.")
+    assert "<question>[full math question]</question><answer>\\boxed{[answer]}</answer>" in \
+        data.TEACHER_PROMPT
 
 
 # a template shaped like Llama 3's: it opens with its BOS and prints today's date unless told one
-LLAMA_LIKE = ("{{ bos_token }}{% if date_string is not defined %}{% set date_string = strftime_now('%d %b %Y') %}"
-              "{% endif %}<|sys|>Today Date: {{ date_string }}<|end|>{% for m in messages %}<|{{ m['role'] }}|>"
-              "{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+LLAMA_LIKE = ("{{ bos_token }}{% if date_string is not defined %}{% set date_string = "
+              "strftime_now('%d %b %Y') %}{% endif %}<|sys|>Today Date: {{ date_string }}<|end|>"
+              "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def llama_like_tokenizer():
@@ -132,7 +140,8 @@ def llama_like_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([data.TEACHER_PROMPT] * 5, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=300, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.chat_template = LLAMA_LIKE
@@ -150,15 +159,17 @@ def test_teacher_prompt_ids_one_bos_and_a_pinned_date(monkeypatch):
             def now(cls, tz=None):
                 return dt.datetime(2025, 1, day)
         monkeypatch.setattr(chat_template_utils, "datetime", Frozen)
-        text = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                       add_generation_prompt=True)
         return data.teacher_prompt(tok), text
 
     (ids1, text1), (ids2, text2) = on(1), on(2)
-    assert text1 != text2                                    # the template does print today's date...
-    assert ids1 == ids2 and data.TEMPLATE_DATE in tok.decode(ids1)   # ...but the teacher prompt is pinned
+    # the template does print today's date, but the teacher prompt is pinned
+    assert text1 != text2
+    assert ids1 == ids2 and data.TEMPLATE_DATE in tok.decode(ids1)
     bos = tok.bos_token_id
     assert ids1[0] == bos and ids1.count(bos) == 1           # exactly one BOS
-    assert tok(tok.decode(ids1))["input_ids"][:2] == [bos, bos]   # what tokenizing the rendered text gives
+    assert tok(tok.decode(ids1))["input_ids"][:2] == [bos, bos]   # the rendered text, tokenized
     assert data.TEACHER_PROMPT in tok.decode(ids1)
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat_template"):
@@ -168,12 +179,16 @@ def test_teacher_prompt_ids_one_bos_and_a_pinned_date(monkeypatch):
 # ---- datasets ----
 def test_load_jsonl_and_errors(tmp_path):
     f = tmp_path / "ok.jsonl"
-    f.write_text('{"question": "1+1?", "answer": "2"}\n\n{"question": " 2+2? ", "answer": "4", "extra": 1}\n')
-    assert data.load_problems(str(f)) == [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": "4"}]
+    f.write_text('{"question": "1+1?", "answer": "2"}\n\n'
+                 '{"question": " 2+2? ", "answer": "4", "extra": 1}\n')
+    assert data.load_problems(str(f)) == [{"question": "1+1?", "answer": "2"},
+                                          {"question": "2+2?", "answer": "4"}]
     cases = {
-        '{"question": "q", "answer": "1"}\n{"question": "q"}\n': r"bad.jsonl:2: missing field 'answer'",
+        '{"question": "q", "answer": "1"}\n{"question": "q"}\n':
+            r"bad.jsonl:2: missing field 'answer'",
         '{"question": "q", "answer": "  "}\n': r"bad.jsonl:1: empty or non-string 'answer'",
-        '{"question": "q", "answer": "1"}\n{"question": "q", "answer": "1"}\n{oops\n': r"bad.jsonl:3: not JSON",
+        '{"question": "q", "answer": "1"}\n{"question": "q", "answer": "1"}\n{oops\n':
+            r"bad.jsonl:3: not JSON",
         '[1, 2]\n': r"bad.jsonl:1: expected a JSON object",
     }
     for text, msg in cases.items():
@@ -189,23 +204,27 @@ def test_unparseable_gold_answers_are_dropped(tmp_path, capsys):
             {"question": "c?", "answer": "x^2 + 1"}, {"question": "d?", "answer": "}{"}]
     data.write_jsonl(str(tmp_path / "p.jsonl"), rows)
     assert data.load_problems(str(tmp_path / "p.jsonl")) == [rows[0], rows[2]]
-    assert "dropped 2 of 4 problems whose gold answer math-verify cannot parse" in capsys.readouterr().err
+    assert "dropped 2 of 4 problems whose gold answer math-verify cannot parse" in \
+        capsys.readouterr().err
 
 
 def test_harp_release_zip(tmp_path):
     import zipfile
-    rows = [{"problem": "What is $1+1$?", "answer": 2, "level": 1}, {"problem": "Find $x$.", "answer": "\\frac{1}{2}"}]
+    rows = [{"problem": "What is $1+1$?", "answer": 2, "level": 1},
+            {"problem": "Find $x$.", "answer": "\\frac{1}{2}"}]
     with zipfile.ZipFile(tmp_path / "HARP.jsonl.zip", "w") as z:
         z.writestr("HARP.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     assert data.read_harp_zip(str(tmp_path / "HARP.jsonl.zip")) == [
-        {"question": "What is $1+1$?", "answer": "2"}, {"question": "Find $x$.", "answer": "\\frac{1}{2}"}]
+        {"question": "What is $1+1$?", "answer": "2"},
+        {"question": "Find $x$.", "answer": "\\frac{1}{2}"}]
     assert data.HARP_URL.endswith("/HARP.jsonl.zip")
 
 
 def test_load_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
-    pq.write_table(pa.table({"question": ["a?", "b?"], "answer": ["1", ""]}), tmp_path / "p.parquet")
+    pq.write_table(pa.table({"question": ["a?", "b?"], "answer": ["1", ""]}),
+                   tmp_path / "p.parquet")
     with pytest.raises(ValueError, match=r"p.parquet:2: empty"):
         data.load_problems(str(tmp_path / "p.parquet"))
 

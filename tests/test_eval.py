@@ -1,5 +1,6 @@
 """eval.py: the statistics against brute force and known answers (no engine), the report on
-hand-made run folders, and one short end-to-end evaluation with the real engine on the small world."""
+hand-made run folders, and one short end-to-end evaluation with the real engine on the small
+world."""
 import itertools
 import json
 import math
@@ -31,7 +32,8 @@ def brute_pass_at_k(n, c, k):
 def test_pass_at_k_matches_enumeration(n):
     for c in range(n + 1):
         for k in range(1, n + 1):
-            assert ev.pass_at_k(n, c, k) == pytest.approx(float(brute_pass_at_k(n, c, k)), abs=1e-12)
+            assert ev.pass_at_k(n, c, k) == pytest.approx(float(brute_pass_at_k(n, c, k)),
+                                                          abs=1e-12)
 
 
 def test_pass_at_k_large_n_is_stable():
@@ -45,20 +47,22 @@ def test_pass_at_k_large_n_is_stable():
 def test_mean_passk_over_problems():
     res = ev.mean_passk([0, 32, 1], 32)
     assert list(res) == ["pass@1", "pass@4", "pass@8", "pass@16", "pass@32"]
-    assert res["pass@1"] == pytest.approx((0 + 1 + 1 / 32) / 3) and res["pass@32"] == pytest.approx(2 / 3)
+    assert res["pass@1"] == pytest.approx((0 + 1 + 1 / 32) / 3) and \
+        res["pass@32"] == pytest.approx(2 / 3)
     assert list(ev.mean_passk([1, 2], 8)) == ["pass@1", "pass@4", "pass@8"]   # k <= n only
 
 
 
 def test_correct_counts_on_scripted_samples(monkeypatch):
     """the counting and filtering around the engine, with rloo.generate scripted: per problem, the
-    samples are its script's texts in turn (what the chunking and the dedup grading must not change)"""
+    samples are its script's texts in turn (what the chunking and the dedup grading must not
+    change)"""
     from rloo import Sample
     problems = [{"question": "q0", "answer": "4"}, {"question": "q1", "answer": "1/2"},
                 {"question": "q2", "answer": "7"}, {"question": "q3", "answer": "10"}]
     script = {"q0": ["\\boxed{4}", "no box", "\\boxed{5}", "so \\boxed{4}"],   # 2 correct
               "q1": ["\\boxed{0.5}"] * 4,                                          # 4 (equal forms)
-              "q2": ["\\boxed{17}", "\\boxed{", "", "\\boxed{71}"],              # 0 (contains, truncated)
+              "q2": ["\\boxed{17}", "\\boxed{", "", "\\boxed{71}"],        # 0 (contains, truncated)
               "q3": ["\\boxed{10}", "x", "x", "x"]}                                 # 1
     calls = []
 
@@ -69,34 +73,35 @@ def test_correct_counts_on_scripted_samples(monkeypatch):
 
     monkeypatch.setattr(rloo, "generate", fake_generate)
     assert rloo.correct_counts(None, problems, n=4, max_tokens=8, seed=100) == [2, 4, 0, 1]
-    assert rloo.correct_counts(None, problems, n=4, max_tokens=8, seed=100, chunk_prompts=3) == [2, 4, 0, 1]
+    assert rloo.correct_counts(None, problems, n=4, max_tokens=8, seed=100, chunk_prompts=3) == \
+        [2, 4, 0, 1]
     assert calls[-2:] == [(3, 100), (1, 103)]              # request i keeps seed + i across chunks
 
 # ---- the early-stopping rule ----
 def test_early_stop_exponential_saturation():
     # r = 1 - exp(-t/100): smoothed slope at centre step t is proportional to exp(-(t-12)/100) from
-    # the first full window (centre 12) on; it drops below 15% of the max where t - 12 > 100 ln(1/0.15)
+    # the first full window (centre 12) on; it drops below 15% of max where t - 12 > 100 ln(1/0.15)
     r = [1 - math.exp(-t / 100) for t in range(600)]
     assert ev.early_stop(r) == 12 + math.ceil(100 * math.log(1 / 0.15))   # 202
-    assert ev.early_stop([120 * x + 7 for x in r]) == 202                 # scale-free (normalised slopes)
+    assert ev.early_stop([120 * x + 7 for x in r]) == 202           # scale-free (normalised slopes)
 
 
 def test_early_stop_sigmoid_counts_from_the_steepest_step():
-    # flat start, rise around 300, plateau: 4 s (1 - s) < 0.15 first at t = 300 + 30 ln(s/(1-s)), s = (1 + sqrt(.85))/2
+    # flat start, rise around 300, plateau: 4 s (1 - s) < 0.15 first at t = 300 + 30 ln(s/(1-s))
     s = (1 + math.sqrt(0.85)) / 2
     expected = 300 + 30 * math.log(s / (1 - s))                             # 396.1
     r = [1 / (1 + math.exp(-(t - 300) / 30)) for t in range(800)]
     assert abs(ev.early_stop(r) - expected) <= 1.5
-    # noisy rewards: the MA copes with mild noise (the rule fires early when the noise in the smoothed
-    # slopes, ~ sigma * sqrt(2) / 25, nears 15% of the max slope)
+    # noisy rewards: the MA copes with mild noise (the rule fires early when the noise in the
+    # smoothed slopes, ~ sigma * sqrt(2) / 25, nears 15% of the max slope)
     noise = np.random.default_rng(0).normal(0, 0.005, 800)
     assert abs(ev.early_stop([x + e for x, e in zip(r, noise)]) - expected) <= 10
 
 
 def test_early_stop_none_while_rising_or_flat():
-    assert ev.early_stop([t / 100 for t in range(300)]) is None             # linear: never flattens
-    assert ev.early_stop([0.0] * 300) is None                               # no signal at all
-    assert ev.early_stop([1.0] * 10) is None                                # shorter than the window
+    assert ev.early_stop([t / 100 for t in range(300)]) is None            # linear: never flattens
+    assert ev.early_stop([0.0] * 300) is None                              # no signal at all
+    assert ev.early_stop([1.0] * 10) is None                               # shorter than the window
 
 
 def test_select_and_finished():
@@ -108,16 +113,19 @@ def test_select_and_finished():
     res = ev.select(evals, rewards, cfg)
     assert res["rule"] == "early-stop" and res["window"] == [stop, stop + 20]
     used = [s for s in range(0, 81, 10) if stop <= s <= stop + 20]
-    assert res["evals_used"] == used and res["passk"]["pass@1"] == pytest.approx(sum(used) / len(used) / 100)
+    assert res["evals_used"] == used and \
+        res["passk"]["pass@1"] == pytest.approx(sum(used) / len(used) / 100)
     assert not ev.finished(rewards[:40], 40, cfg) and ev.finished(rewards, stop + 20, cfg)
     assert not ev.finished(rewards, stop + 19, cfg)
     # curriculum: the rule sees the rewards after the switch only, steps keep their numbering
     shifted = [0.9] * 10 + rewards
     assert ev.select(evals, shifted, cfg, offset=10)["stop_step"] == stop + 10
     fixed = ev.select(evals, rewards, ev.Config(fixed_step=50))
-    assert fixed["rule"] == "fixed" and fixed["evals_used"] == [50] and fixed["passk"]["pass@4"] == 1.0
-    assert ev.finished([], 50, ev.Config(fixed_step=50)) and not ev.finished([], 49, ev.Config(fixed_step=50))
-    flat = ev.select(evals, [0.0] * 80, cfg)                 # never stops: the last es_average steps
+    assert fixed["rule"] == "fixed" and fixed["evals_used"] == [50] and \
+        fixed["passk"]["pass@4"] == 1.0
+    assert ev.finished([], 50, ev.Config(fixed_step=50)) and \
+        not ev.finished([], 49, ev.Config(fixed_step=50))
+    flat = ev.select(evals, [0.0] * 80, cfg)                # never stops: the last es_average steps
     assert flat["rule"] == "last" and flat["evals_used"] == [60, 70, 80]
 
 
@@ -127,18 +135,20 @@ def batch(step, syn, real, cfg, seed):
 
 
 def test_leeps_exploits_informative_questions_and_explores_their_neighbours():
-    """4 clusters of questions (one-hot embeddings); cluster 0 gave non-trivial groups, cluster 1 trivial
-    ones: LEEPS re-draws cluster 0's informative questions, then prefers cluster 0's undrawn ones"""
+    """4 clusters of questions (one-hot embeddings); cluster 0 gave non-trivial groups, cluster 1
+    trivial ones: LEEPS re-draws cluster 0's informative questions, then prefers cluster 0's undrawn
+    ones"""
     import random
     emb = np.repeat(np.eye(4), 5, axis=0)          # questions 0-4: cluster 0, 5-9: cluster 1, ...
-    history = [{"questions": [0, 1, 5, 6], "portfolio": ["explore"] * 4, "nontrivial": [True, True, False, False]}]
+    history = [{"questions": [0, 1, 5, 6], "portfolio": ["explore"] * 4,
+                "nontrivial": [True, True, False, False]}]
     idx, portfolio = ev.leeps(20, emb, history, 4, random.Random(0))
     assert len(set(idx)) == 4 and set(idx[:portfolio.count("exploit")]) <= {0, 1}
     assert portfolio.count("exploit") >= 1
     explored = idx[portfolio.count("exploit"):]
-    assert explored and all(i in (2, 3, 4) for i in explored[:2])   # cluster 0's undrawn questions first
-    assert not {5, 6} & set(idx)                                     # known-trivial ones last
-    first, _ = ev.leeps(20, emb, [], 4, random.Random(0))             # no history: uniform over the pool
+    assert explored and all(i in (2, 3, 4) for i in explored[:2])   # cluster 0's undrawn ones first
+    assert not {5, 6} & set(idx)                                    # known-trivial ones last
+    first, _ = ev.leeps(20, emb, [], 4, random.Random(0))        # no history: uniform over the pool
     assert len(set(first)) == 4
 
 
@@ -146,12 +156,14 @@ def test_batches_mixed_and_curriculum():
     syn = [{"question": f"s{i}", "answer": "1"} for i in range(5)]
     real = [{"question": f"r{i}", "answer": "1"} for i in range(7)]
     cfg = ev.Config(student_questions=3, mode="mixed")
-    epoch = [q["question"] for s in range(4) for q in batch(s, syn, real, cfg, 4)[1]]   # 12 = one epoch
+    epoch = [q["question"] for s in range(4)
+             for q in batch(s, syn, real, cfg, 4)[1]]   # 12 = one epoch
     assert sorted(epoch) == sorted(q["question"] for q in syn + real)
     assert batch(2, syn, real, cfg, 4) == batch(2, syn, real, cfg, 4)            # replayable
     assert batch(2, syn, real, cfg, 4) != batch(2, syn, real, cfg, 5)
     cur = ev.Config(student_questions=3, mode="curriculum", switch_step=2)
-    assert [batch(s, syn, real, cur, 0)[0] for s in range(4)] == ["synthetic", "synthetic", "real", "real"]
+    assert [batch(s, syn, real, cur, 0)[0] for s in range(4)] == \
+        ["synthetic", "synthetic", "real", "real"]
     assert all(q in syn for q in batch(1, syn, real, cur, 0)[1])
     assert all(q in real for q in batch(3, syn, real, cur, 0)[1])
 
@@ -160,11 +172,14 @@ def test_paired_ci_and_pooled_slope():
     lo, hi = ev.paired_ci([1.0, 2.0, 3.0, 4.0, 5.0])
     assert 1.0 <= lo < 3.0 < hi <= 5.0
     assert ev.paired_ci([2.0] * 5) == (2.0, 2.0)                          # no spread, no width
-    assert ev.paired_ci([-1.0, 1.0, -1.0, 1.0, 0.5])[0] < 0 < ev.paired_ci([-1.0, 1.0, -1.0, 1.0, 0.5])[1]
-    rising = [[0.1 * t + e for t, e in enumerate(noise)] for noise in np.random.default_rng(0).normal(0, 0.2, (5, 40))]
+    assert ev.paired_ci([-1.0, 1.0, -1.0, 1.0, 0.5])[0] < 0 < \
+        ev.paired_ci([-1.0, 1.0, -1.0, 1.0, 0.5])[1]
+    rising = [[0.1 * t + e for t, e in enumerate(noise)]
+              for noise in np.random.default_rng(0).normal(0, 0.2, (5, 40))]
     slope, lo, hi = ev.slope_ci(rising)
     assert 0 < lo < slope < hi and slope == pytest.approx(0.1, abs=0.02)
-    assert ev.slope_ci([[0.0] * 40] * 5) == (pytest.approx(0.0), pytest.approx(0.0), pytest.approx(0.0))
+    assert ev.slope_ci([[0.0] * 40] * 5) == (pytest.approx(0.0), pytest.approx(0.0),
+                                              pytest.approx(0.0))
 
 
 def test_pq_subsets_from_the_world_or_labels(tmp_path):
@@ -172,11 +187,13 @@ def test_pq_subsets_from_the_world_or_labels(tmp_path):
     pq = [{"question": word, "answer": "3"}, {"question": word.replace("5", "6"), "answer": "9"},
           {"question": "Find x if x^2 = 4.", "answer": "2"}]
     cfg = ev.Config()
-    assert ev.pq_subset(pq, "correct", cfg) == pq[:1] and ev.pq_subset(pq, "wellposed", cfg) == pq[:2]
-    write(str(tmp_path / "labels.jsonl"), [{"question": q["question"], "correct": i == 2, "well_posed": i > 0}
-                                           for i, q in enumerate(pq)])
+    assert ev.pq_subset(pq, "correct", cfg) == pq[:1] and \
+        ev.pq_subset(pq, "wellposed", cfg) == pq[:2]
+    write(str(tmp_path / "labels.jsonl"), [{"question": q["question"], "correct": i == 2,
+                                            "well_posed": i > 0} for i, q in enumerate(pq)])
     cfg = ev.Config(labels=str(tmp_path / "labels.jsonl"))
-    assert ev.pq_subset(pq, "correct", cfg) == pq[2:] and ev.pq_subset(pq, "wellposed", cfg) == pq[1:]
+    assert ev.pq_subset(pq, "correct", cfg) == pq[2:] and \
+        ev.pq_subset(pq, "wellposed", cfg) == pq[1:]
     with pytest.raises(ValueError, match="no 'correct' label for 1 promotion questions"):
         ev.pq_subset(pq + [{"question": "new", "answer": "1"}], "correct", cfg)
 
@@ -185,15 +202,17 @@ def test_pq_subsets_from_the_world_or_labels(tmp_path):
 def test_vendi_known_cases():
     assert data.vendi(np.ones((6, 4))) == pytest.approx(1.0)
     assert data.vendi(np.eye(7)) == pytest.approx(7.0)
-    assert data.vendi(np.array([[1, 0], [1, 0], [0, 1], [0, 1]])) == pytest.approx(2.0)   # two clusters
+    # two clusters
+    assert data.vendi(np.array([[1, 0], [1, 0], [0, 1], [0, 1]])) == pytest.approx(2.0)
     X = data.embed_ngram(["What is 2 + 2?"] * 10)
     assert data.vendi(X) == pytest.approx(1.0)
-    varied = data.embed_ngram([f"Find the {w} of {i} and {i * 7 + 3}." for i, w in
-                             enumerate(["sum", "product", "gcd", "lcm", "difference", "ratio"] * 3)])
+    varied = data.embed_ngram([f"Find the {w} of {i} and {i * 7 + 3}." for i, w in enumerate(
+        ["sum", "product", "gcd", "lcm", "difference", "ratio"] * 3)])
     assert 1.5 < data.vendi(varied) < 18
     m, s = data.vendi_bootstrap(np.eye(200), subset=128, draws=5)
     assert m == pytest.approx(128.0) and s == pytest.approx(0.0, abs=1e-9)
-    assert data.vendi_bootstrap(np.eye(5), subset=128) == (pytest.approx(5.0), 0.0)   # small set: one draw
+    # small set: one draw
+    assert data.vendi_bootstrap(np.eye(5), subset=128) == (pytest.approx(5.0), 0.0)
 
 
 # ---- the report, on hand-made run folders ----
@@ -208,47 +227,61 @@ def test_report_table_and_plots(tmp_path):
     runs, soar_dir = tmp_path / "runs", tmp_path / "soar"
     for seed, p1 in ((0, 0.01), (1, 0.03)):
         d = runs / "pq" / f"seed{seed}"
-        write(str(d / "result.json"), dict(method="pq", test="t.jsonl", seed=seed, rule="early-stop", stop_step=10,
+        write(str(d / "result.json"), dict(method="pq", test="t.jsonl", seed=seed,
+                                           rule="early-stop", stop_step=10,
                                            passk={"pass@1": p1, "pass@32": 0.2}))
-        write(str(d / "evals.jsonl"), [{"step": s, "pass@1": p1 * s / 10, "pass@32": 0.1} for s in (0, 10, 20)])
+        write(str(d / "evals.jsonl"), [{"step": s, "pass@1": p1 * s / 10, "pass@32": 0.1}
+                                       for s in (0, 10, 20)])
         write(str(runs / "grounded-t" / f"seed{seed}" / "questions.jsonl"),
               [{"question": f"What is {i} + {seed}?", "answer": "1"} for i in range(20)])
-    write(str(runs / "base" / "seed0" / "result.json"), dict(method="base", test="t.jsonl", seed=0,
-                                                             passk={"pass@1": 0.005, "pass@32": 0.05}))
+    write(str(runs / "base" / "seed0" / "result.json"),
+          dict(method="base", test="t.jsonl", seed=0, passk={"pass@1": 0.005, "pass@32": 0.05}))
     for seed, p32 in ((0, 0.1), (1, 0.1)):
         write(str(runs / "hard-only" / f"seed{seed}" / "result.json"),
-              dict(method="hard-only", test="t.jsonl", seed=seed, passk={"pass@1": 0.0, "pass@32": p32}))
+              dict(method="hard-only", test="t.jsonl", seed=seed,
+                   passk={"pass@1": 0.0, "pass@32": p32}))
     away, gets = ("Tom has 9 apples. He gives away {}. How many apples does he have now?",
                   "Tom has 9 apples. He gets {} more. How many apples does he have now?")
-    for d, reward in ((soar_dir, "grounded"), (tmp_path / "soar-s1", "grounded"), (tmp_path / "int", "learnability")):
-        # SOAR runs of two seeds (a plot panel and a PQ set each) and a learnability run; their teachers write
-        # more "gives away" problems over the steps (grounded) or fewer (learnability)
+    for d, reward in ((soar_dir, "grounded"), (tmp_path / "soar-s1", "grounded"),
+                      (tmp_path / "int", "learnability")):
+        # SOAR runs of two seeds (a plot panel and a PQ set each) and a learnability run; their
+        # teachers write more "gives away" problems over the steps (grounded), fewer (learnability)
         write(str(d / "pq.jsonl"), [{"question": "Q one", "answer": "1", "step": 0}])
-        write(str(d / "metrics.jsonl"), [dict(step=s, reward=0.01 * s, ma=None if s < 2 else 0.01, R_k=[0.0, 0.01 * (s < 2)],
-                                              promoted=s == 3, promotions=int(s >= 3)) for s in range(5)])
+        write(str(d / "metrics.jsonl"), [dict(step=s, reward=0.01 * s, ma=None if s < 2 else 0.01,
+                                              R_k=[0.0, 0.01 * (s < 2)], promoted=s == 3,
+                                              promotions=int(s >= 3)) for s in range(5)])
         write(str(d / "ckpt" / "step-5" / "state.json"), {"step": 5, "config": {"reward": reward}})
         up = reward == "grounded"
-        write(str(d / "questions.jsonl"), [{"question": (away if (i < s) == up else gets).format(i + 1), "answer": "1",
-                                            "step": s, "k": 0, "R_k": 0.0} for s in range(5) for i in range(4)])
-    write(str(tmp_path / "soar-new" / "metrics.jsonl"), [])   # a run before its first step: left out
-    old = tmp_path / "soar-old"   # a run from before questions.jsonl: in the teacher table, without (c)
-    write(str(old / "metrics.jsonl"), [dict(step=0, reward=0.0, ma=None, R_k=[0.0, 0.0], promoted=False, promotions=0)])
+        write(str(d / "questions.jsonl"),
+              [{"question": (away if (i < s) == up else gets).format(i + 1), "answer": "1",
+                "step": s, "k": 0, "R_k": 0.0} for s in range(5) for i in range(4)])
+    write(str(tmp_path / "soar-new" / "metrics.jsonl"), [])  # a run before its first step: left out
+    old = tmp_path / "soar-old"   # a run from before questions.jsonl: in the teacher table, no (c)
+    write(str(old / "metrics.jsonl"), [dict(step=0, reward=0.0, ma=None, R_k=[0.0, 0.0],
+                                            promoted=False, promotions=0)])
     write(str(old / "ckpt" / "step-1" / "state.json"), {"step": 1, "config": {"reward": "opensir"}})
-    cfg = ev.Config(runs=str(runs), soar=f"{soar_dir},{tmp_path / 'soar-s1'},{tmp_path / 'soar-new'}", vendi_draws=3,
-                    intrinsic=str(tmp_path / "int"), opensir=str(old))
+    cfg = ev.Config(runs=str(runs), soar=f"{soar_dir},{tmp_path / 'soar-s1'},"
+                                         f"{tmp_path / 'soar-new'}",
+                    vendi_draws=3, intrinsic=str(tmp_path / "int"), opensir=str(old))
     text = ev.cmd_report(cfg)
     lines = text.splitlines()
-    assert "| method | pass@1 | pass@32 | pass@32 - Hard-Only [95% CI] | seeds | step | non-trivial |" in lines
+    assert ("| method | pass@1 | pass@32 | pass@32 - Hard-Only [95% CI] | seeds | step "
+            "| non-trivial |") in lines
     rows = [x for x in lines if x.startswith("| base") or x.startswith("| pq")]
-    assert rows[0].startswith("| base | 0.5 ± 0.0 | 5.0 ± 0.0 | -5.0 [-5.0, -5.0] | 1 |")   # the paper's order
-    assert rows[1].startswith(f"| pq | 2.0 ± {100 * np.std([0.01, 0.03], ddof=1):.1f} | 20.0 ± 0.0 | +10.0 [+10.0, +10.0] "
-                              "| 2 | 10")
+    # the paper's order
+    assert rows[0].startswith("| base | 0.5 ± 0.0 | 5.0 ± 0.0 | -5.0 [-5.0, -5.0] | 1 |")
+    assert rows[1].startswith(f"| pq | 2.0 ± {100 * np.std([0.01, 0.03], ddof=1):.1f} "
+                              "| 20.0 ± 0.0 | +10.0 [+10.0, +10.0] | 2 | 10")
     # the teacher learning: 3 steps before the promotion at step 3, 2 of them with different R_k
-    assert "| grounded | 2 | 5 | 67% of 6 | +0.0100 [+0.0100, +0.0100] | 0% ± 0% -> 100% ± 0% |" in lines
-    assert any(x.startswith("| learnability | 1 | 5 |") and x.endswith("| 100% ± 0% -> 0% ± 0% |") for x in lines)
+    assert ("| grounded | 2 | 5 | 67% of 6 | +0.0100 [+0.0100, +0.0100] "
+            "| 0% ± 0% -> 100% ± 0% |") in lines
+    assert any(x.startswith("| learnability | 1 | 5 |") and x.endswith("| 100% ± 0% -> 0% ± 0% |")
+               for x in lines)
     assert "| opensir | 1 | 1 | 0% of 1 | +0.0000 [+0.0000, +0.0000] | - |" in lines
-    assert any(x.startswith("| grounded-t |") and x.endswith("| 2 | 40 |") for x in lines)   # Vendi per seed's set
-    assert "| pq | 1.00 ± 0.00 | 2 | 2 |" in lines and f"- {soar_dir}: 5 outer steps, 1 promotions" in lines
+    assert any(x.startswith("| grounded-t |") and x.endswith("| 2 | 40 |")
+               for x in lines)   # Vendi per seed's set
+    assert "| pq | 1.00 ± 0.00 | 2 | 2 |" in lines and \
+        f"- {soar_dir}: 5 outer steps, 1 promotions" in lines
     assert not any("soar-new" in x for x in lines)
     for png in ("curves.png", "soar.png", "curriculum.png"):
         assert (runs / png).stat().st_size > 1000
@@ -257,15 +290,17 @@ def test_report_table_and_plots(tmp_path):
 
 def test_parse_args_world_defaults_and_paper_settings(tmp_path):
     cmd, args, cfg = ev.parse_args(["row", "base", "pq", "--seeds", "0,1"])
-    assert (cmd, args, cfg.model, cfg.student_steps) == ("row", ["base", "pq"], "", world.PRESET["student_steps"])
+    assert (cmd, args, cfg.model, cfg.student_steps) == ("row", ["base", "pq"], "",
+                                                          world.PRESET["student_steps"])
     _, _, paper = ev.parse_args(["row", "pq", "--model", "m", "--mode", "curriculum"])
-    assert (paper.student_steps, paper.student_lr, paper.student_samples, paper.student_questions, paper.student_warmup,
-            paper.switch_step) == (1500, 1e-5, 32, 8, 20, 64)
-    assert (paper.es_window, paper.es_fraction, paper.es_average, paper.passk_samples) == (25, 0.15, 200, 32)
+    assert (paper.student_steps, paper.student_lr, paper.student_samples, paper.student_questions,
+            paper.student_warmup, paper.switch_step) == (1500, 1e-5, 32, 8, 20, 64)
+    assert (paper.es_window, paper.es_fraction, paper.es_average, paper.passk_samples) == \
+        (25, 0.15, 200, 32)
     cmd, _, cfg = ev.parse_args(["train", "--synthetic", "q.jsonl", "--name", "mine"])
     assert (cmd, cfg.synthetic, cfg.name) == ("train", "q.jsonl", "mine")
-    for bad in (["row", "nonsense"], ["row"], ["row", "pq", "--mode", "random"], ["train", "--name", "x"],
-                ["train", "--synthetic", "q.jsonl", "--name", "pq"]):
+    for bad in (["row", "nonsense"], ["row"], ["row", "pq", "--mode", "random"],
+                ["train", "--name", "x"], ["train", "--synthetic", "q.jsonl", "--name", "pq"]):
         with pytest.raises(SystemExit):
             ev.parse_args(bad)
     # fails fast, before any world or engine; --runs not ./runs, where rows the README's commands
@@ -276,23 +311,26 @@ def test_parse_args_world_defaults_and_paper_settings(tmp_path):
 
 def test_soar_output_of_another_base_model_is_refused(tmp_path):
     write(str(tmp_path / "soar" / "pq.jsonl"), {"question": "q", "answer": "1", "step": 0})
-    write(str(tmp_path / "soar" / "ckpt" / "step-1" / "state.json"), {"step": 1, "config": {"model": "/other/model"}})
+    write(str(tmp_path / "soar" / "ckpt" / "step-1" / "state.json"),
+          {"step": 1, "config": {"model": "/other/model"}})
     with pytest.raises(SystemExit, match="was run from /other/model"):
         ev.main(["row", "pq", "--model", str(tmp_path / "m"), "--train", "h", "--test", "t",
                  "--soar", str(tmp_path / "soar"), "--runs", str(tmp_path / "runs")])
 
 
 # ---- end to end: the real engine on the small world, torchrun with 2 ranks ----
-SMALL = ["--world", "small", "--seeds", "0", "--student_steps", "6", "--eval_every", "2", "--ckpt_every", "2",
-         "--student_samples", "4", "--student_questions", "2", "--passk_samples", "8", "--teacher_questions", "8",
-         "--mode", "curriculum", "--switch_step", "2", "--es_window", "3", "--es_average", "2"]
+SMALL = ["--world", "small", "--seeds", "0", "--student_steps", "6", "--eval_every", "2",
+         "--ckpt_every", "2", "--student_samples", "4", "--student_questions", "2",
+         "--passk_samples", "8", "--teacher_questions", "8", "--mode", "curriculum",
+         "--switch_step", "2", "--es_window", "3", "--es_average", "2"]
 
 
-def eval_py(*args, wait=True):
+def eval_py(*args, wait=True, script=os.path.join(ROOT, "eval.py")):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "eval.py"), *args]
+           script, *args]
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
@@ -307,21 +345,45 @@ def small_world():
     return world.build_world(small=True)
 
 
+# eval.py with a row of the user's own, added by one entry: pq's questions, SePT's rule, group 6
+MY_EVAL = """import sys
+sys.path.insert(0, {root!r})
+import eval as ev
+import rloo
+ev.ROWS["pq-sept6"] = ev.Row("mine", file="{{soar}}/pq.jsonl", group="big_group",
+                             advantages=rloo.sept_advantages, kl=False)
+if __name__ == "__main__":
+    ev.main()
+"""
+
+
 @pytest.fixture(scope="module")
 def rows_run(small_world, tmp_path_factory):
-    """a stand-in SOAR output (the world model as promoted student, 8 hard train problems as PQ), then
-    the rows base, ps, hard-only, pq (curriculum) and base-t on it, in one torchrun call"""
+    """a stand-in SOAR output (the world model as promoted student, 8 hard train problems as PQ),
+    then the rows base, ps, hard-only, pq (curriculum), base-t, sept and MY_EVAL's pq-sept6 on it,
+    in one torchrun call"""
     import shutil
     tmp = tmp_path_factory.mktemp("eval")
     soar_dir, runs = tmp / "soar", tmp / "runs"
     shutil.copytree(small_world["model"], soar_dir / "student")
     write(str(soar_dir / "pq.jsonl"), [{**q, "step": 0} for q in rows(small_world["train"])[:8]])
-    write(str(soar_dir / "metrics.jsonl"), [dict(step=s, reward=0.01 * s, ma=0.01, promoted=s == 1, promotions=int(s >= 1))
-                                            for s in range(3)])
-    p = eval_py("row", "base", "ps", "hard-only", "pq", "base-t", "sept", "--soar", str(soar_dir), "--runs", str(runs),
-                *SMALL)
+    write(str(soar_dir / "metrics.jsonl"), [dict(step=s, reward=0.01 * s, ma=0.01, promoted=s == 1,
+                                                 promotions=int(s >= 1)) for s in range(3)])
+    (tmp / "my_eval.py").write_text(MY_EVAL.format(root=ROOT))
+    p = eval_py("row", "base", "ps", "hard-only", "pq", "base-t", "sept", "pq-sept6", "--soar",
+                str(soar_dir), "--runs", str(runs), *SMALL, "--big_group", "6",
+                script=str(tmp / "my_eval.py"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return soar_dir, runs, p
+
+
+def test_a_new_row_is_one_entry(rows_run):
+    _, runs, _ = rows_run
+    d = runs / "pq-sept6" / "seed0"
+    res, metrics = json.loads((d / "result.json").read_text()), rows(d / "metrics.jsonl")
+    assert (res["method"], res["samples"], res["n_synthetic"]) == ("pq-sept6", 6, 8)
+    assert [m["source"] for m in metrics][:2] == ["synthetic", "synthetic"]   # pq's questions first
+    assert all(m["pg_loss"] == -1.0 and m["kl"] == 0.0 for m in metrics)       # SePT's advantages
 
 
 def test_rows_end_to_end(rows_run, small_world):
@@ -336,15 +398,17 @@ def test_rows_end_to_end(rows_run, small_world):
         d = runs / method / "seed0"
         metrics, evals = rows(d / "metrics.jsonl"), rows(d / "evals.jsonl")
         res = json.loads((d / "result.json").read_text())
-        assert [m["step"] for m in metrics] == list(range(res["steps_done"])) and res["steps_done"] <= 6
+        assert [m["step"] for m in metrics] == list(range(res["steps_done"])) and \
+            res["steps_done"] <= 6
         end = res["steps_done"]      # evals every 2 steps, and at --steps if the run got there
-        assert [e["step"] for e in evals] == sorted(set(range(0, end + 1, 2)) | ({end} if end == 6 else set()))
+        assert [e["step"] for e in evals] == sorted(set(range(0, end + 1, 2)) |
+                                                    ({end} if end == 6 else set()))
         assert all(0 <= e["solved"] <= n_test for e in evals)
         assert all(m["grad_norm"] >= 0 and 0 <= m["accuracy"] <= 1 for m in metrics)
-        assert not (d / "ckpt").exists()                                    # a finished run keeps no optimizer state
+        assert not (d / "ckpt").exists()   # a finished run keeps no optimizer state
         assert set(res["evals_used"]) <= {e["step"] for e in evals}
-    # SePT: NLL on its own samples, advantage 1 on every token: its policy-gradient term is exactly -1 a
-    # token, whatever the rewards; RLOO's advantages average 0 within a question
+    # SePT: NLL on its own samples, advantage 1 on every token: its policy-gradient term is exactly
+    # -1 a token, whatever the rewards; RLOO's advantages average 0 within a question
     assert all(m["pg_loss"] == -1.0 and m["kl"] == 0.0 and m["grad_norm"] > 0
                for m in rows(runs / "sept" / "seed0" / "metrics.jsonl"))
     assert all(m["pg_loss"] != -1.0 for m in rows(runs / "hard-only" / "seed0" / "metrics.jsonl"))
@@ -355,33 +419,39 @@ def test_rows_end_to_end(rows_run, small_world):
     assert {m["source"] for m in rows(runs / "hard-only" / "seed0" / "metrics.jsonl")} == {"mixed"}
     sources = [m["source"] for m in rows(runs / "pq" / "seed0" / "metrics.jsonl")]
     assert sources[:2] == ["synthetic", "synthetic"] and set(sources[2:]) <= {"real"}
-    qs = rows(runs / "base-t" / "seed0" / "questions.jsonl")                 # sampled with the teacher prompt + filter
+    # sampled with the teacher prompt + filter
+    qs = rows(runs / "base-t" / "seed0" / "questions.jsonl")
     assert len(qs) == 8 and all(q["question"] and q["answer"] for q in qs)
 
 
 def test_rerun_does_nothing_and_report(rows_run):
     soar_dir, runs, _ = rows_run
     before = {p: p.read_text() for p in runs.rglob("*.json*")}
-    p = eval_py("row", "base", "ps", "hard-only", "pq", "base-t", "--soar", str(soar_dir), "--runs", str(runs), *SMALL)
+    p = eval_py("row", "base", "ps", "hard-only", "pq", "base-t", "--soar", str(soar_dir),
+                "--runs", str(runs), *SMALL)
     assert p.returncode == 0 and "nothing to do" in p.stdout
     assert {p: p.read_text() for p in runs.rglob("*.json*")} == before
-    text = ev.cmd_report(ev.Config(runs=str(runs), soar=str(soar_dir), vendi_subset=8, vendi_draws=2))
+    text = ev.cmd_report(ev.Config(runs=str(runs), soar=str(soar_dir), vendi_subset=8,
+                                   vendi_draws=2))
     for method in ("base", "ps", "hard-only", "pq", "base-t"):
         assert any(x.startswith(f"| {method} | ") for x in text.splitlines())
     assert (runs / "curves.png").exists() and (runs / "soar.png").exists()
 
 
 def test_kill_and_resume_gives_the_same_run(rows_run, tmp_path):
-    """kill -9 every process of a hard-only run after its first checkpoint (torchrun's workers live in
-    sessions of their own, so killing torchrun's group is not enough), rerun: same metrics, evals, result"""
+    """kill -9 every process of a hard-only run after its first checkpoint (torchrun's workers live
+    in sessions of their own, so killing torchrun's group is not enough), rerun: same metrics,
+    evals, result"""
     import time
     soar_dir, runs_a, _ = rows_run
     runs = tmp_path / "runs"
     d = runs / "hard-only" / "seed0"
-    p = eval_py("row", "hard-only", "--soar", str(soar_dir), "--runs", str(runs), *SMALL, wait=False)
+    p = eval_py("row", "hard-only", "--soar", str(soar_dir), "--runs", str(runs), *SMALL,
+                wait=False)
     deadline = time.time() + 600
     while not (d / "ckpt" / "step-2").exists():
-        assert p.poll() is None and time.time() < deadline, p.stdout.read()[-3000:] if p.poll() is not None else ""
+        assert p.poll() is None and time.time() < deadline, \
+            p.stdout.read()[-3000:] if p.poll() is not None else ""
         time.sleep(0.2)
     kill_all(p)   # a process may die with its parent between the listing and its kill
     assert not (d / "result.json").exists()
@@ -392,24 +462,28 @@ def test_kill_and_resume_gives_the_same_run(rows_run, tmp_path):
     strip = lambda rs: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rs]   # noqa: E731
     assert strip(rows(d / "metrics.jsonl")) == strip(rows(a / "metrics.jsonl"))
     assert rows(d / "evals.jsonl") == rows(a / "evals.jsonl")
-    assert json.loads((d / "result.json").read_text()) == json.loads((a / "result.json").read_text())
+    assert json.loads((d / "result.json").read_text()) == \
+        json.loads((a / "result.json").read_text())
 
 
 def test_leeps_finds_the_informative_questions(small_world, tmp_path):
-    """A pool where most question groups carry no reward signal (sums whose gold answer no sample can
-    match or contain: every sample scores a wrong boxed answer) and a few do (one-step 'gives away'
-    problems the model solves sometimes). Over the same steps, LEEPS draws more groups with reward
-    variance than shuffled epochs, at a negligible cost per step."""
+    """A pool where most question groups carry no reward signal (sums whose gold answer no sample
+    can match or contain: every sample scores a wrong boxed answer) and a few do (one-step
+    'gives away' problems the model solves sometimes). Over the same steps, LEEPS draws more groups
+    with reward variance than shuffled epochs, at a negligible cost per step."""
     import random
     import world
     rng = random.Random(0)
-    pool = [{"question": world.make_problem(rng, "add", 1)["question"], "answer": "99999"} for _ in range(40)] + \
-        [{k: p[k] for k in ("question", "answer")} for p in (world.make_problem(rng, "word", "-") for _ in range(10))]
+    pool = [{"question": world.make_problem(rng, "add", 1)["question"], "answer": "99999"}
+            for _ in range(40)] + \
+        [{k: p[k] for k in ("question", "answer")}
+         for p in (world.make_problem(rng, "word", "-") for _ in range(10))]
     data.write_jsonl(str(tmp_path / "pool.jsonl"), pool)
-    flags = ["--world", "small", "--synthetic", str(tmp_path / "pool.jsonl"), "--name", "pool", "--runs",
-             str(tmp_path / "runs"), "--student_steps", "24", "--fixed_step", "24", "--eval_every", "24",
-             "--student_questions", "4", "--student_samples", "8", "--student_lr", "0", "--passk_samples", "1",
-             "--mode", "curriculum", "--switch_step", "24"]   # the pool alone, and a model that does not change
+    flags = ["--world", "small", "--synthetic", str(tmp_path / "pool.jsonl"), "--name", "pool",
+             "--runs", str(tmp_path / "runs"), "--student_steps", "24", "--fixed_step", "24",
+             "--eval_every", "24", "--student_questions", "4", "--student_samples", "8",
+             "--student_lr", "0", "--passk_samples", "1", "--mode", "curriculum",
+             "--switch_step", "24"]   # the pool alone, and a model that does not change
     share = {}
     for sampler in ("uniform", "leeps"):
         p = eval_py("train", *flags, "--sampler", sampler)
@@ -418,6 +492,6 @@ def test_leeps_finds_the_informative_questions(small_world, tmp_path):
         share[sampler] = json.loads((d / "result.json").read_text())["nontrivial_share"]
         metrics = rows(d / "metrics.jsonl")
         assert all(m["sampler_seconds"] < 0.5 for m in metrics)   # negligible next to a step
-    # 0.44 vs 0.21 on the machine this test was written on, 0.33 vs 0.23 on one whose small world differs
-    # (an AVX-512 machine; README "The built-in world")
+    # 0.44 vs 0.21 on the machine this test was written on, 0.33 vs 0.23 on one whose small world
+    # differs (an AVX-512 machine; README "The built-in world")
     assert share["leeps"] > share["uniform"] + 0.05, share

@@ -1,5 +1,5 @@
-"""Fault injection: what a cluster does to a two-day run, done to soar.py on the small built-in world
-(torchrun, 2 ranks, real engines). Every interrupted run must end equal to the uninterrupted
+"""Fault injection: what a cluster does to a two-day run, done to soar.py on the small built-in
+world (torchrun, 2 ranks, real engines). Every interrupted run must end equal to the uninterrupted
 reference (conftest.full_run): same metrics.jsonl (timings aside), pq.jsonl and questions.jsonl."""
 import os
 import re
@@ -15,7 +15,8 @@ from soar_runs import ROOT, alive, descendants, kill_all, rows, soar, wait_for, 
 
 def same_as_reference(out, full_run):
     ref, _ = full_run
-    assert without_timing(rows(out / "metrics.jsonl")) == without_timing(rows(ref / "metrics.jsonl"))
+    assert without_timing(rows(out / "metrics.jsonl")) == \
+        without_timing(rows(ref / "metrics.jsonl"))
     for name in ("pq.jsonl", "questions.jsonl"):
         assert rows(out / name) == rows(ref / name), name
 
@@ -67,8 +68,10 @@ def test_rows_cut_short_come_back_from_the_checkpoint(full_run, tmp_path):
     out = tmp_path / "c"
     shutil.copytree(ref, out, symlinks=True)
     lines = (out / "questions.jsonl").read_text().splitlines(keepends=True)
-    (out / "questions.jsonl").write_text("".join(lines[:-5]))   # the last step's append cut after 3 of 8 rows
-    (out / "metrics.jsonl").write_text("".join((ref / "metrics.jsonl").read_text().splitlines(keepends=True)[:-1]))
+    # the last step's append cut after 3 of 8 rows
+    (out / "questions.jsonl").write_text("".join(lines[:-5]))
+    (out / "metrics.jsonl").write_text(
+        "".join((ref / "metrics.jsonl").read_text().splitlines(keepends=True)[:-1]))
     p = soar(out)
     assert p.returncode == 0 and "nothing to do" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     same_as_reference(out, full_run)
@@ -107,14 +110,17 @@ def test_lock_folder_refuses_a_second_holder_and_frees_with_the_first(tmp_path):
     take = ("import sys, time, rloo; rloo.init_distributed(); rloo.lock_folder(sys.argv[1]); "
             "print('locked', flush=True); time.sleep(600)")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    first = subprocess.Popen([sys.executable, "-c", take, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)
+    first = subprocess.Popen([sys.executable, "-c", take, str(tmp_path)], env=env,
+                             stdout=subprocess.PIPE, text=True)
     assert first.stdout.readline().strip() == "locked"
-    second = subprocess.run([sys.executable, "-c", take, str(tmp_path)], env=env, capture_output=True, text=True,
-                            timeout=120)
-    assert second.returncode != 0 and f"{tmp_path} is in use by a live run (pid {first.pid}" in second.stderr
+    second = subprocess.run([sys.executable, "-c", take, str(tmp_path)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode != 0 and \
+        f"{tmp_path} is in use by a live run (pid {first.pid}" in second.stderr
     first.kill()
     first.wait()
-    third = subprocess.Popen([sys.executable, "-c", take, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)
+    third = subprocess.Popen([sys.executable, "-c", take, str(tmp_path)], env=env,
+                             stdout=subprocess.PIPE, text=True)
     assert third.stdout.readline().strip() == "locked"
     third.kill()
     third.wait()

@@ -1,5 +1,5 @@
-"""The shape of the code: one library (rloo.py, data.py), the built-in world on top of it, two scripts
-that import only those; docs that stand on their own."""
+"""The shape of the code: one library (rloo.py, data.py), the built-in world on top of it, two
+scripts that import only those; docs that stand on their own."""
 import ast
 import glob
 import json
@@ -19,15 +19,18 @@ ALLOWED = {"data": {"data"}, "rloo": {"rloo", "data"}, "world": {"world", "data"
 
 @pytest.mark.parametrize("module", sorted(OURS))
 def test_imports_in_a_fresh_interpreter(module):
-    code = f"import json, sys, {module}; print(json.dumps([m for m in sys.modules if m in {sorted(OURS)!r}]))"
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    code = (f"import json, sys, {module}; "
+            f"print(json.dumps([m for m in sys.modules if m in {sorted(OURS)!r}]))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert set(json.loads(p.stdout)) <= ALLOWED[module]
 
 
 def test_nothing_imports_a_script():
     """not even inside a function (a lazy import is still a cycle)"""
-    for path in glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "bench", "*.py")):
+    for path in glob.glob(os.path.join(ROOT, "*.py")) + \
+            glob.glob(os.path.join(ROOT, "bench", "*.py")):
         for node in ast.walk(ast.parse(open(path).read())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) else []
@@ -37,7 +40,8 @@ def test_nothing_imports_a_script():
 def docs_and_code():
     files = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "*", "*.py")) + \
         [os.path.join(ROOT, f) for f in ("README.md", "METHOD.md", "run.sh", "requirements.txt")]
-    return {f: open(f).read() for f in files if not f.endswith("test_layout.py")}   # this file quotes the patterns
+    # this file quotes the patterns
+    return {f: open(f).read() for f in files if not f.endswith("test_layout.py")}
 
 
 def test_method_citations_name_sections_that_exist():
@@ -57,7 +61,8 @@ def test_nothing_refers_outside_the_repository():
 
 
 def test_top_level_holds_the_design_card():
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
     top = {f.split("/")[0] for f in tracked if not f.startswith(".")}
     assert top == {"soar.py", "rloo.py", "data.py", "eval.py", "world.py", "README.md", "METHOD.md",
-                   "requirements.txt", "run.sh", "tests", "bench", "docs"}
+                   "requirements.txt", "run.sh", "tests", "bench", "docs", "pyproject.toml"}

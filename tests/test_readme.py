@@ -22,7 +22,8 @@ RECORDER = "#!{python}\nimport json, os, sys\nwith open(os.environ['LOG'], 'a') 
 
 
 def bench_parser():
-    spec = importlib.util.spec_from_file_location("bench_rloo", os.path.join(ROOT, "bench", "bench_rloo.py"))
+    spec = importlib.util.spec_from_file_location("bench_rloo",
+                                                  os.path.join(ROOT, "bench", "bench_rloo.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.parser()
@@ -38,11 +39,13 @@ def readme_blocks() -> list[str]:
 
 
 def recorded(block: str, tmp_path) -> list[list[str]]:
-    """the command lines bash runs for `block`, each as its argv, with run.sh, python, .venv/bin/python and
-    torchrun recording instead of running; PATH holds nothing else, so any other command fails"""
+    """the command lines bash runs for `block`, each as its argv, with run.sh, python,
+    .venv/bin/python and torchrun recording instead of running; PATH holds nothing else, so any
+    other command fails"""
     bin_ = tmp_path / "bin"
     for path, name in ((bin_ / "python", "python"), (bin_ / "torchrun", "torchrun"),
-                       (tmp_path / "run.sh", "./run.sh"), (tmp_path / ".venv" / "bin" / "python", "python")):
+                       (tmp_path / "run.sh", "./run.sh"),
+                       (tmp_path / ".venv" / "bin" / "python", "python")):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(RECORDER.format(python=sys.executable, name=name))
         path.chmod(0o755)
@@ -55,7 +58,8 @@ def recorded(block: str, tmp_path) -> list[list[str]]:
 
 
 def check(argv: list[str]) -> str:
-    """parse one recorded command line with the parsers its programs use; returns the script it runs"""
+    """parse one recorded command line with the parsers its programs use; returns the script it
+    runs"""
     prog, args = argv[0], argv[1:]
     if prog == "./run.sh":
         if args[:1] == ["test"]:
@@ -81,15 +85,16 @@ def test_every_readme_command_parses(tmp_path):
         except SystemExit as e:      # argparse's error (exit 2), or the script's own p.error
             failed.append(f"{' '.join(argv)}  (exit {e.code})")
     assert not failed, "README commands that do not parse:\n" + "\n".join(failed)
-    assert scripts >= {"run.sh test", "soar.py", "eval.py", "data.py", "bench/bench_rloo.py"}, scripts
-    assert any(a[0] == "torchrun" for a in lines) and len(lines) >= 20   # the loops ran: 3 seeds each
+    assert scripts >= {"run.sh test", "soar.py", "eval.py", "data.py",
+                       "bench/bench_rloo.py"}, scripts
+    assert any(a[0] == "torchrun" for a in lines) and len(lines) >= 20   # loops ran: 3 seeds each
 
 
 def test_recording_sees_what_bash_expands(tmp_path):
     """the block's variables and loops are bash's: $E and $s expand as the block sets them"""
     block = 'E=".venv/bin/python eval.py row --runs r"\nfor s in 0 1; do $E pq --seeds $s; done\n'
-    assert recorded(block, tmp_path) == [["python", "eval.py", "row", "--runs", "r", "pq", "--seeds", str(s)]
-                                         for s in (0, 1)]
+    assert recorded(block, tmp_path) == [["python", "eval.py", "row", "--runs", "r", "pq",
+                                          "--seeds", str(s)] for s in (0, 1)]
     with pytest.raises(AssertionError, match="not found"):
         recorded("rm -rf /tmp/nothing-here\n", tmp_path)
 
@@ -106,8 +111,9 @@ def test_options_anywhere():
 
 
 def test_cheapest_chain_end_to_end(full_run, tmp_path):
-    """after a SOAR run (the session's reference run, which promotes), `eval.py row` with its options
-    after the sub-command and between the rows, then `eval.py report`, as the README chains them"""
+    """after a SOAR run (the session's reference run, which promotes), `eval.py row` with its
+    options after the sub-command and between the rows, then `eval.py report`, as the README chains
+    them"""
     from test_eval import SMALL, eval_py
     out, _ = full_run
     runs = tmp_path / "runs"
@@ -115,11 +121,12 @@ def test_cheapest_chain_end_to_end(full_run, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for method in ("ps", "pq"):
         res = json.loads((runs / method / "seed0" / "result.json").read_text())
-        assert res["method"] == method and 0 <= res["passk"]["pass@1"] <= res["passk"]["pass@8"] <= 1
+        assert res["method"] == method and \
+            0 <= res["passk"]["pass@1"] <= res["passk"]["pass@8"] <= 1
     assert rows(runs / "pq" / "seed0" / "metrics.jsonl")   # a fresh student trained on the run's PQ
-    q = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "report", "--runs", str(runs), "--soar",
-                        str(out), "--vendi_subset", "8", "--vendi_draws", "2"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    q = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "report", "--runs",
+                        str(runs), "--soar", str(out), "--vendi_subset", "8", "--vendi_draws", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert q.returncode == 0, q.stderr[-3000:]
     report = (runs / "report.md").read_text()
     assert all(f"| {m} | " in report for m in ("ps", "pq")) and f"- {out}: 3 outer steps" in report

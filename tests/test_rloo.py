@@ -56,7 +56,8 @@ def test_rloo_advantages_by_hand():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0])
     torch.testing.assert_close(rloo.rloo_advantages(r), torch.tensor([2, -2, -2, 2]) / 3)
     r2 = torch.tensor([[3.0, 1.0, 2.0], [0.0, 0.0, 0.0]])   # [questions, samples]
-    torch.testing.assert_close(rloo.rloo_advantages(r2), torch.tensor([[1.5, -1.5, 0.0], [0, 0, 0]]))
+    torch.testing.assert_close(rloo.rloo_advantages(r2),
+                               torch.tensor([[1.5, -1.5, 0.0], [0, 0, 0]]))
     assert rloo.rloo_advantages(torch.rand(5, 7)).sum(-1).abs().max() < 1e-6   # sums to zero
 
 
@@ -113,9 +114,9 @@ def test_generate(runs):
 def test_teacher_prompt_reaches_the_engine_with_one_bos(runs):
     bos = runs["tok"].bos_token_id
     for r in [runs["one"], *runs["two"]]:
-        assert r["engine_ids"] == r["teacher_ids"]                 # what the engine saw = what the trainer scores
+        assert r["engine_ids"] == r["teacher_ids"]         # the engine saw what the trainer scores
         assert r["teacher_ids"][0] == bos and r["teacher_ids"].count(bos) == 1
-        assert r["engine_ids_of_text"][:2] == [bos, bos]           # the bug ids avoid: text gets a second BOS
+        assert r["engine_ids_of_text"][:2] == [bos, bos]   # the bug ids avoid: text gets a 2nd BOS
 
 
 def test_snapshot_restore_checkpoints(runs):

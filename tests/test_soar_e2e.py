@@ -1,6 +1,7 @@
 """SOAR end to end on the small built-in world: torchrun with 2 ranks on CPU, real vLLM engines,
-real FSDP2 (gloo), real math-verify: the outputs of a run (the session's reference run, conftest.py),
-settings a resume refuses, and the clean failures. Faults (kills, locks, damage): test_faults.py."""
+real FSDP2 (gloo), real math-verify: the outputs of a run (the session's reference run,
+conftest.py), settings a resume refuses, and the clean failures. Faults (kills, locks, damage):
+test_faults.py."""
 import json
 import os
 import re
@@ -11,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from soar_runs import ROOT, TIMING, dcp_keys, rows, soar, without_timing  # noqa: E402
+from soar_runs import ROOT, TIMING, dcp_keys, rows, soar  # noqa: E402
 
 
 def test_outputs_are_consistent(full_run):
@@ -36,7 +37,8 @@ def test_outputs_are_consistent(full_run):
         assert TIMING <= m.keys() and m["total"] >= m["student_training"] > 0
         # throughput: tokens per phase over all ranks, tokens/s per GPU (no MFU on CPU)
         for phase in ("teacher_generation", "student_rollouts", "evaluation"):
-            assert m[f"tokens/generated/{phase}"] > 0 and m[f"perf/tokens_per_s_per_gpu/{phase}"] > 0
+            assert m[f"tokens/generated/{phase}"] > 0 and \
+                m[f"perf/tokens_per_s_per_gpu/{phase}"] > 0
         assert m["tokens/trained/student_training"] > m["tokens/trained/teacher_update"] > 0
         assert not any(k.startswith("perf/mfu") for k in m)
         # two students per group, the last one stays in the model: one host snapshot per rank
@@ -44,26 +46,32 @@ def test_outputs_are_consistent(full_run):
     pq = rows(out / "pq.jsonl")
     assert len(pq) == 4 * 3 and [r["step"] for r in pq] == [0] * 4 + [1] * 4 + [2] * 4
     assert all(r["question"] and r["answer"] for r in pq)
-    # questions.jsonl: every valid pair of every step, with its dataset and that dataset's R_k; the PQ of a
-    # step are its promoted dataset's pairs
+    # questions.jsonl: every valid pair of every step, with its dataset and that dataset's R_k; the
+    # PQ of a step are its promoted dataset's pairs
     qs = rows(out / "questions.jsonl")
-    assert [(r["step"], r["k"]) for r in qs] == [(s, k) for s in range(3) for k in range(2) for _ in range(4)]
-    assert all(r["R_k"] == metrics[r["step"]]["R_k"][r["k"]] and r["question"] and r["answer"] for r in qs)
+    assert [(r["step"], r["k"]) for r in qs] == [(s, k) for s in range(3) for k in range(2)
+                                                 for _ in range(4)]
+    assert all(r["R_k"] == metrics[r["step"]]["R_k"][r["k"]] and r["question"] and r["answer"]
+               for r in qs)
     assert [{k: r[k] for k in ("question", "answer", "step")} for r in qs
             if r["k"] == metrics[r["step"]]["promoted_k"]] == pq
-    assert sorted(os.listdir(out / "ckpt")) == ["step-2", "step-3"]   # the newest two (rloo.KEEP_CKPTS)
+    assert sorted(os.listdir(out / "ckpt")) == ["step-2", "step-3"]   # newest two (rloo.KEEP_CKPTS)
     state = json.loads((out / "ckpt" / "step-3" / "state.json").read_text())
     assert state["step"] == 3 and state["promotions"] == 3 and state["pq"] == 12
     # what a restart needs: the teacher with its AdamW state, the student's weights only
-    teacher, student = dcp_keys(out / "ckpt" / "step-3" / "teacher"), dcp_keys(out / "ckpt" / "step-3" / "student")
-    assert any(k.startswith("optim.") for k in teacher) and any(k.startswith("model.") for k in teacher)
+    teacher, student = dcp_keys(out / "ckpt" / "step-3" / "teacher"), \
+        dcp_keys(out / "ckpt" / "step-3" / "student")
+    assert any(k.startswith("optim.") for k in teacher) and \
+        any(k.startswith("model.") for k in teacher)
     assert student and all(k.startswith("model.") for k in student)
-    for name in ("teacher", "student"):   # HF folders: links to the version a step wrote, marked with it
+    # HF folders: links to the version a step wrote, marked with it
+    for name in ("teacher", "student"):
         assert os.readlink(out / name) == f"{name}.v3"
         assert json.loads((out / name / "soar.json").read_text()) == {"step": 3, "promotions": 3}
     log = full_run[1].stdout
     assert "written per step: checkpoint" in log and "HF folders" in log
-    assert re.search(r"step 3/3  reward [+-]\d\.\d{3}  MA [+-]\d\.\d{3}  promotions 3  valid \d+%  \d+ s", log)
+    assert re.search(r"step 3/3  reward [+-]\d\.\d{3}  MA [+-]\d\.\d{3}  promotions 3  "
+                     r"valid \d+%  \d+ s", log)
     base = AutoModelForCausalLM.from_pretrained(state["config"]["model"]).state_dict()
     for name in ("teacher", "student"):   # HF folders that load, with the base model's tensors
         sd = AutoModelForCausalLM.from_pretrained(out / name).state_dict()
@@ -84,34 +92,38 @@ def test_finished_run_does_nothing(full_run):
 def test_other_settings_refused(full_run):
     out, _ = full_run
     p = soar(out, "--dataset_size", "5")
-    assert p.returncode != 0 and "other settings" in p.stdout + p.stderr and "'dataset_size': (4, 5)" in p.stdout + p.stderr
+    assert p.returncode != 0 and "other settings" in p.stdout + p.stderr and \
+        "'dataset_size': (4, 5)" in p.stdout + p.stderr
 
 
 def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_path):
-    """student lr 0: every trained student is the baseline, so R == 0 exactly (Acc0 is measured on the
-    same engines and batches as the students), on a Q_R the model solves, so any difference shows: the
-    small world's model is barely trained and gets few sums right, and which ones depends on the machine
-    that built it, so Q_R is sums labelled with the model's own greedy answers (from an engine of this
-    test's). Window 2: step 0 cannot promote, so no snapshot is kept; step 1 can."""
+    """student lr 0: every trained student is the baseline, so R == 0 exactly (Acc0 is measured on
+    the same engines and batches as the students), on a Q_R the model solves, so any difference
+    shows: the small world's model is barely trained and gets few sums right, and which ones depends
+    on the machine that built it, so Q_R is sums labelled with the model's own greedy answers (from
+    an engine of this test's). Window 2: step 0 cannot promote, so no snapshot is kept; step 1
+    can."""
     import random
     import subprocess
     import world
     rng = random.Random(0)
     sums = [world.make_problem(rng, "add", 1)["question"] for _ in range(40)]
-    code = ("import json, sys, data, rloo; rloo.init_distributed(); llm = rloo.build_engine(sys.argv[1], "
-            "max_model_len=320); qs = json.loads(sys.argv[2]); outs = rloo.generate(llm, [data.student_prompt(q) "
-            "for q in qs], temperature=0.0, max_tokens=96, seed=0); "
+    code = ("import json, sys, data, rloo; rloo.init_distributed(); llm = rloo.build_engine("
+            "sys.argv[1], max_model_len=320); qs = json.loads(sys.argv[2]); outs = rloo.generate("
+            "llm, [data.student_prompt(q) for q in qs], temperature=0.0, max_tokens=96, seed=0); "
             "print('ANSWERS', json.dumps([data.last_boxed(o[0].text) for o in outs]))")
-    g = subprocess.run([sys.executable, "-c", code, world.build_world(small=True)["model"], json.dumps(sums)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    g = subprocess.run([sys.executable, "-c", code, world.build_world(small=True)["model"],
+                        json.dumps(sums)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert g.returncode == 0, g.stderr[-3000:]
     answers = json.loads(g.stdout.split("ANSWERS ", 1)[1])
-    solved = [{"question": q, "answer": a.strip()} for q, a in zip(sums, answers) if a and a.strip().isdigit()]
+    solved = [{"question": q, "answer": a.strip()} for q, a in zip(sums, answers)
+              if a and a.strip().isdigit()]
     assert len(solved) >= 8, answers   # M = 8 (soar_runs.FLAGS)
     easy = tmp_path / "easy.jsonl"
     easy.write_text("".join(json.dumps(p) + "\n" for p in solved[:16]))
     out = tmp_path / "lr0"
-    p = soar(out, "--student_lr", "0", "--window", "2", "--tau", "0.4", "--outer_steps", "2", "--train", str(easy))
+    p = soar(out, "--student_lr", "0", "--window", "2", "--tau", "0.4", "--outer_steps", "2",
+             "--train", str(easy))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     metrics = rows(out / "metrics.jsonl")
     assert all(m["acc0"] > 0 for m in metrics)
@@ -120,16 +132,17 @@ def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_
 
 
 def test_opensir_teacher(tmp_path):
-    """--reward opensir: no students; R_k is the mean of calibration (0 or 1) + 0.5 * novelty against
-    the archive of earlier steps' questions, which the checkpoint carries"""
+    """--reward opensir: no students; R_k is the mean of calibration (0 or 1) + 0.5 * novelty
+    against the archive of earlier steps' questions, which the checkpoint carries"""
     out = tmp_path / "os"
     p = soar(out, "--reward", "opensir", "--outer_steps", "2")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     metrics = rows(out / "metrics.jsonl")
-    assert all(0.5 - 1e-9 <= r <= 1.5 for r in metrics[0]["R_k"])   # nothing archived yet: novelty 1
+    assert all(0.5 - 1e-9 <= r <= 1.5 for r in metrics[0]["R_k"])  # nothing archived yet: novelty 1
     assert not any(m["promoted"] for m in metrics) and all(len(m["R"][0]) == 1 for m in metrics)
     state = json.loads((out / "ckpt" / "step-2" / "state.json").read_text())
-    assert len(state["archive"]) == 2 * 2 * 4 and all(q.strip() for q in state["archive"])   # 2 steps of g*n
+    # 2 steps of g*n
+    assert len(state["archive"]) == 2 * 2 * 4 and all(q.strip() for q in state["archive"])
 
 
 def test_clean_failures(tmp_path):

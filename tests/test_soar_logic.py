@@ -7,7 +7,8 @@ import data
 import rloo
 import soar
 import world
-from soar import Config, decide, inner_steps, learnability, moving_average, promotion, teacher_advantages
+from soar import (Config, decide, inner_steps, learnability, moving_average, promotion,
+                  teacher_advantages)
 
 
 def test_inner_step_schedule():
@@ -25,10 +26,12 @@ def test_promotion_argmax_and_lower_middle_median():
     R = [[0.00, 0.02, 0.01, 0.03],    # R_0 = 0.015
          [0.05, -0.02, 0.04, 0.01],   # R_1 = 0.02  <- argmax; sorted: -0.02, 0.01, 0.04, 0.05
          [0.00, 0.00, 0.00, 0.00]]
-    assert promotion(R, ma=0.02, tau=0.01) == (1, 3)   # lower middle of 4 is the 2nd smallest: 0.01 at j=3
+    # lower middle of 4 is the 2nd smallest: 0.01 at j=3
+    assert promotion(R, ma=0.02, tau=0.01) == (1, 3)
     assert promotion(R, ma=0.01, tau=0.01) is None      # strictly greater than tau
     assert promotion(R, ma=None, tau=0.01) is None
-    assert promotion([[0.1, 0.3, 0.2], [0.0, 0.0, 0.0]], ma=0.5, tau=0.01) == (0, 2)  # r odd: the median
+    # r odd: the median
+    assert promotion([[0.1, 0.3, 0.2], [0.0, 0.0, 0.0]], ma=0.5, tau=0.01) == (0, 2)
 
 
 def test_decide_window_and_reset():
@@ -41,8 +44,8 @@ def test_decide_window_and_reset():
     _, ma, chosen, h = decide(h, flat, w, tau)
     assert ma is None and chosen is None
     _, ma, chosen, h = decide(h, good, w, tau)
-    assert ma == pytest.approx(0.05 / 3) and chosen == (1, 0) and h == []   # promoted: window cleared
-    for _ in range(2):                            # the next promotion needs a full post-promotion window
+    assert ma == pytest.approx(0.05 / 3) and chosen == (1, 0) and h == []   # promoted: window reset
+    for _ in range(2):                       # the next promotion needs a full post-promotion window
         _, ma, chosen, h = decide(h, good, w, tau)
         assert chosen is None and ma is None
     _, ma, chosen, h = decide(h, good, w, tau)
@@ -62,22 +65,27 @@ def test_teacher_advantages_leave_one_out():
 
 def test_can_promote_only_when_the_window_can_pass_tau():
     cfg = Config(window=3, tau=0.01)
-    assert not soar.can_promote(cfg, []) and not soar.can_promote(cfg, [0.1])   # the window cannot be full yet
+    # the window cannot be full yet
+    assert not soar.can_promote(cfg, []) and not soar.can_promote(cfg, [0.1])
     assert soar.can_promote(cfg, [0.1, 0.2]) and soar.can_promote(cfg, [0.0] * 7)
-    assert not soar.can_promote(Config(window=3, tau=0.5), [-0.3, -0.3])          # (-0.6 + 1) / 3 <= 0.5
-    assert soar.can_promote(Config(window=1), []) and not soar.can_promote(Config(window=1, tau=1.0), [])
+    assert not soar.can_promote(Config(window=3, tau=0.5), [-0.3, -0.3])   # (-0.6 + 1) / 3 <= 0.5
+    assert soar.can_promote(Config(window=1), []) and \
+        not soar.can_promote(Config(window=1, tau=1.0), [])
     assert not soar.can_promote(Config(window=1, reward="learnability"), [0.5])
 
 
 def test_settings_that_cannot_work_are_named_by_flag():
     ok = Config(train="t.jsonl")
     assert soar.check(ok, world_size=32, n_hard=359, seq_len=1200) == []
-    bad = Config(train="t.jsonl", window=0, qr_size=400, student_groups=3, student_samples=1, micro_batch_tokens=512)
+    bad = Config(train="t.jsonl", window=0, qr_size=400, student_groups=3, student_samples=1,
+                 micro_batch_tokens=512)
     problems = " | ".join(soar.check(bad, world_size=32, n_hard=359, seq_len=1200))
-    for flag in ("--window 0", "--qr_size 400", "--student_groups 3 does not divide the 32 ranks", "--student_samples 1",
-                 "--micro_batch_tokens 512 is less than one sequence (prompt + completion: up to 1200 tokens)"):
+    for flag in ("--window 0", "--qr_size 400", "--student_groups 3 does not divide the 32 ranks",
+                 "--student_samples 1", "--micro_batch_tokens 512 is less than one sequence "
+                 "(prompt + completion: up to 1200 tokens)"):
         assert flag in problems
-    assert "more groups than the g*r = 16 students" in soar.check(Config(train="t", student_groups=32), 32, 359, 1)[0]
+    assert "more groups than the g*r = 16 students" in \
+        soar.check(Config(train="t", student_groups=32), 32, 359, 1)[0]
 
 
 def test_opensir_reward_ranks_calibrated_novel_questions_first():
@@ -89,8 +97,10 @@ def test_opensir_reward_ranks_calibrated_novel_questions_first():
           "Compute the product 7 * 6."]         # novel, never solved (s = 0)
     r = soar.opensir([0.5, 1.0, 0.5, 0.0], data.embed_ngram(qs), archive)
     assert r[0] > r[1] and r[0] > r[2] and r[0] > r[3]
-    assert r[2] == pytest.approx(1.0) and r[1] == pytest.approx(r[0] - 1.0) and r[3] <= 0.5   # calibration is worth 1
-    assert soar.opensir([0.5], data.embed_ngram(qs[:1]), np.zeros((0, 4096))) == [1.5]  # nothing archived yet
+    # calibration is worth 1
+    assert r[2] == pytest.approx(1.0) and r[1] == pytest.approx(r[0] - 1.0) and r[3] <= 0.5
+    # nothing archived yet
+    assert soar.opensir([0.5], data.embed_ngram(qs[:1]), np.zeros((0, 4096))) == [1.5]
 
 
 def test_learnability_reward():
@@ -98,7 +108,8 @@ def test_learnability_reward():
 
 
 def test_seeds_are_stable_and_distinct():
-    assert rloo.seed_of(3, 5, "teacher", 0) == rloo.seed_of(3, 5, "teacher", 0) != rloo.seed_of(4, 5, "teacher", 0)
+    assert rloo.seed_of(3, 5, "teacher", 0) == rloo.seed_of(3, 5, "teacher", 0) != \
+        rloo.seed_of(4, 5, "teacher", 0)
     assert len({rloo.seed_of(3, s, "student", k) for s in range(20) for k in range(4)}) == 80
 
 
@@ -114,10 +125,11 @@ def test_truncate_jsonl_drops_uncommitted_steps_and_creates_missing(tmp_path):
 def test_parse_args_world_preset_and_overrides():
     cfg = soar.parse_args(["--outer_steps", "3", "--activation_checkpointing"])
     assert cfg.model == "" and cfg.outer_steps == 3 and cfg.activation_checkpointing
-    assert cfg.num_datasets == world.PRESET["num_datasets"] and cfg.student_max_tokens == world.MAX_TOKENS
+    assert cfg.num_datasets == world.PRESET["num_datasets"] and \
+        cfg.student_max_tokens == world.MAX_TOKENS
     paper = soar.parse_args(["--model", "m", "--train", "t.jsonl"])
-    assert (paper.num_datasets, paper.dataset_size, paper.students, paper.qr_size, paper.outer_steps, paper.tau) == \
-        (4, 64, 4, 64, 200, 0.01)
+    assert (paper.num_datasets, paper.dataset_size, paper.students, paper.qr_size,
+            paper.outer_steps, paper.tau) == (4, 64, 4, 64, 200, 0.01)
     with pytest.raises(SystemExit):
         soar.parse_args(["--reward", "vibes"])
 
@@ -129,7 +141,8 @@ def test_one_vocabulary_and_help(capsys, monkeypatch):
     import eval as ev
     s, e = ({f.name: f for f in dataclasses.fields(c)} for c in (Config, ev.Config))
     shared = s.keys() & e.keys()
-    assert {"student_lr", "student_max_tokens", "student_samples", "student_questions", "train"} <= shared
+    assert {"student_lr", "student_max_tokens", "student_samples", "student_questions",
+            "train"} <= shared
     assert all((s[k].type, s[k].default) == (e[k].type, e[k].default) for k in shared - {"out"})
     assert not {"steps", "lr", "hard", "max_tokens", "samples", "questions"} & (s.keys() | e.keys())
     assert set(world.PRESET) <= s.keys() | e.keys()   # every preset key is a flag of one of them
@@ -137,20 +150,22 @@ def test_one_vocabulary_and_help(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         soar.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert f"--student_lr FLOAT AdamW, cosine over S, no warmup (default 1e-05; built-in world {world.PRESET['student_lr']})" \
-        in text
+    assert f"--student_lr FLOAT AdamW, cosine over S, no warmup (default 1e-05; built-in world " \
+        f"{world.PRESET['student_lr']})" in text
     assert "--tau FLOAT promotion threshold on the moving average (default 0.01)" in text
 
 
 def test_flags_survive_torchrun():
-    """torchrun's parser takes any flag that abbreviates one of its own (--n, --r, --m...), even after
-    the script name: no flag of ours may be a prefix of a torchrun option."""
+    """torchrun's parser takes any flag that abbreviates one of its own (--n, --r, --m...), even
+    after the script name: no flag of ours may be a prefix of a torchrun option."""
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--help"], capture_output=True, text=True).stdout
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--help"],
+                         capture_output=True, text=True).stdout
     theirs = {w.split("=")[0] for w in out.replace(",", " ").split() if w.startswith("--")}
     import dataclasses
     import eval as ev
     ours = {"--" + f.name for c in (Config, ev.Config) for f in dataclasses.fields(c)}
     assert len(theirs) > 20
-    assert not {(a, b) for a in ours for b in theirs if b.startswith(a) or b.replace("-", "_").startswith(a)}
+    assert not {(a, b) for a in ours for b in theirs
+                if b.startswith(a) or b.replace("-", "_").startswith(a)}

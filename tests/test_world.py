@@ -1,5 +1,5 @@
-"""The built-in world (world.py): the problem generator's answers, the reader of teacher questions, and
-a fresh small build measured with the real engine, so that a regression in the formats (prompts,
+"""The built-in world (world.py): the problem generator's answers, the reader of teacher questions,
+and a fresh small build measured with the real engine, so that a regression in the formats (prompts,
 chat template, parser, grader) shows up as a rate falling below its bar; and the build is the same
 world whatever the caller's threads."""
 import json
@@ -14,7 +14,8 @@ import data
 import world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LEVELS = [("add", 1), ("sub", 1)] + [("word", s) for s in ("+", "-", "f", "+-", "--+", "-f+f", "----", "?3")]
+LEVELS = [("add", 1), ("sub", 1)] + \
+    [("word", s) for s in ("+", "-", "f", "+-", "--+", "-f+f", "----", "?3")]
 
 
 def test_generator_answers_verify():
@@ -26,26 +27,30 @@ def test_generator_answers_verify():
             assert c is not None and c["answer"] == p["answer"] and c["kind"] == kind
             assert int(p["answer"]) >= 1
             # the formats the model is trained on grade and parse as intended
-            assert data.grade([world.student_solution(p)] * 2, [p["answer"], str(int(p["answer"]) + 1)]) == \
+            assert data.grade([world.student_solution(p)] * 2,
+                              [p["answer"], str(int(p["answer"]) + 1)]) == \
                 [data.R_CORRECT, data.R_BOXED]
-            assert data.parse_teacher_batch([world.teacher_reply(p)]) == [(p["question"], p["answer"])]
+            assert data.parse_teacher_batch([world.teacher_reply(p)]) == \
+                [(p["question"], p["answer"])]
             if set(p["signs"]) & set("-f") and kind == "word":   # a misread step changes the answer
                 i = min(p["signs"].find(c) for c in "-f" if c in p["signs"])
-                assert data.grade([world.student_solution(p, {i})], [p["answer"]]) != [data.R_CORRECT]
+                assert data.grade([world.student_solution(p, {i})], [p["answer"]]) != \
+                    [data.R_CORRECT]
 
 
 def test_classify_rejects_what_is_not_the_family():
     assert world.classify("What is 3 * 4?") is None
     assert world.classify("Tom has 5 apples. He eats 2. How many apples does he have now?") is None
-    assert world.classify("Tom has 5 apples. He gives away 2, then gets 3 more. How many apples does he have now?") == \
-        dict(kind="word", level="-+", answer="6")
+    assert world.classify("Tom has 5 apples. He gives away 2, then gets 3 more. How many apples "
+                          "does he have now?") == dict(kind="word", level="-+", answer="6")
 
 
 def test_describe_reads_what_the_teacher_wrote():
     q = "Tom has 5 apples. He gives away 2, then gets 3 more. How many apples does he have now?"
     assert world.describe(q, "6") == dict(well_posed=True, kind="word", steps=2, gives_away=1,
                                           category="word, with 'gives away'", correct=True)
-    assert world.describe(q, "10")["correct"] is False and world.describe(q, "10")["well_posed"] is True
+    assert world.describe(q, "10")["correct"] is False and \
+        world.describe(q, "10")["well_posed"] is True
     assert world.describe("What is 12 - 3?", " 9 ")["category"] == "bare sum"
     bad = world.describe("What is 3 * 4?", "12")
     assert not bad["well_posed"] and not bad["correct"] and bad["category"] == world.CATEGORIES[0]
@@ -53,15 +58,16 @@ def test_describe_reads_what_the_teacher_wrote():
 
 
 def test_unfinished_folder_is_not_a_world(tmp_path):
-    (tmp_path / "w").mkdir()  # e.g. a crash mid-build under the final name (cannot happen: tmp + rename)
+    # e.g. a crash mid-build under the final name (cannot happen: tmp + rename)
+    (tmp_path / "w").mkdir()
     with pytest.raises(FileExistsError):
         world.build_world(out_dir=str(tmp_path / "w"), small=True)
 
 
 @pytest.fixture(scope="module")
 def small_world():
-    """the small world in its cache (.cache/), the one the end-to-end tests use: built afresh on a clean
-    checkout (CI), and again below in another process with other threads"""
+    """the small world in its cache (.cache/), the one the end-to-end tests use: built afresh on a
+    clean checkout (CI), and again below in another process with other threads"""
     return world.build_world(small=True)
 
 
@@ -95,7 +101,8 @@ def test_small_world_model_folder(small_world):
     # the engines' context holds a teacher prompt + reply and a student prompt + completion
     import rloo
     q = world.make_problem(random.Random(0), "word", "----")["question"]
-    n = rloo.engine_len(tok, [q], student_max_tokens=world.MAX_TOKENS, teacher_max_tokens=world.MAX_TOKENS)
+    n = rloo.engine_len(tok, [q], student_max_tokens=world.MAX_TOKENS,
+                        teacher_max_tokens=world.MAX_TOKENS)
     assert n >= len(prompt) + world.MAX_TOKENS
     assert n >= len(tok(data.student_prompt(q))["input_ids"]) + world.MAX_TOKENS
     assert n <= world.MAX_MODEL_LEN
@@ -113,12 +120,13 @@ def test_same_world_whatever_the_threads(small_world, tmp_path):
     out = tmp_path / "again"
     env = {**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
     env.pop("ATEN_CPU_CAPABILITY", None)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "world.py"), "--small", "--out", str(out)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "world.py"), "--small", "--out",
+                        str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     with open(small_world["stats"]) as f:
         a = json.load(f)
     with open(out / "stats.json") as f:
         b = json.load(f)
     assert a["fingerprint"] in p.stdout
-    assert (a["fingerprint"], a["candidate_correct_counts"]) == (b["fingerprint"], b["candidate_correct_counts"])
+    assert (a["fingerprint"], a["candidate_correct_counts"]) == \
+        (b["fingerprint"], b["candidate_correct_counts"])
