@@ -106,9 +106,10 @@ def last_boxed(text: str) -> str | None:
     return None  # unclosed: truncated output
 
 
-# the first question, closed by </question> or (as the paper prints it) by <question>, then the
-# first answer after it; text around and between is free (explanations, METHOD.md "Format filter")
-_Q = re.compile(r"<question>(.*?)(?:</question>|<question>).*?<answer>(.*?)</answer>", re.S)
+# the first answer and the question just before it, closed by </question> or (as the paper
+# prints it) by <question>; text around and between is free (METHOD.md "Format filter")
+_Q = re.compile(r"<question>((?:(?!</?question>).)*?)(?:</question>|<question>)"
+                r"(?:(?!<question>).)*?<answer>(.*?)</answer>", re.S)
 
 
 def _parse_teacher_text(text: str) -> tuple[str, str] | None:

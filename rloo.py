@@ -664,6 +664,17 @@ def _damage(ckpt: str) -> str | None:
     return None
 
 
+def set_aside(path: str) -> str:
+    """rename path to path.damaged (kept for a post-mortem), or .damaged-2, -3... if a step of the
+    same number was damaged before; returns the new name"""
+    aside, n = path + ".damaged", 1
+    while os.path.exists(aside):
+        n += 1
+        aside = f"{path}.damaged-{n}"
+    os.rename(path, aside)
+    return aside
+
+
 def resume(out: str, config: dict, may_change: set) -> tuple[str, dict] | tuple[None, None]:
     """(folder, state without its config) of the newest sound checkpoint in out, or (None, None). A
     damaged one (a file missing or cut short) is reported and the one before it used. Refuses one
@@ -674,7 +685,7 @@ def resume(out: str, config: dict, may_change: set) -> tuple[str, dict] | tuple[
         bad = ckpts.pop()
         dist.barrier()   # all ranks looked before rank 0 moves it aside (kept, for a post-mortem)
         if rank0():
-            os.rename(bad, bad + ".damaged")
+            set_aside(bad)
             if ckpts:
                 print(f"resume: {damage}; resuming from {ckpts[-1]} instead", file=sys.stderr,
                       flush=True)

@@ -358,14 +358,15 @@ class Run:
 
 def student_groups(cfg: Config, world_size: int) -> int:
     """G: --student_groups, or the most groups that divide the ranks and have a student each"""
-    return cfg.student_groups or max(d for d in range(1, world_size + 1) if world_size % d == 0
-                                     and d <= cfg.num_datasets * cfg.students)
+    return cfg.student_groups or max((d for d in range(1, world_size + 1) if world_size % d == 0
+                                      and d <= cfg.num_datasets * cfg.students), default=1)
 
 
 def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
     """What in the settings cannot work, each naming its flag (layout: METHOD.md "Scale layout")."""
     students, G = cfg.num_datasets * cfg.students, student_groups(cfg, world_size)
     return [msg for bad, msg in [
+        (cfg.outer_steps < 1, f"--outer_steps {cfg.outer_steps}: need at least 1"),
         (cfg.num_datasets < 2, f"--num_datasets {cfg.num_datasets}: RLOO over datasets "
                                "needs g >= 2"),
         (cfg.dataset_size < 1, f"--dataset_size {cfg.dataset_size}: a dataset needs n >= 1 pairs"),
@@ -381,7 +382,7 @@ def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
         (cfg.student_samples < 2, f"--student_samples {cfg.student_samples}: RLOO needs at least 2 "
                                   "per question"),
         (cfg.save_every < 1, f"--save_every {cfg.save_every}: need at least 1"),
-        (G > students, f"--student_groups {G}: more groups than the g*r = {students} students"),
+        (0 < students < G, f"--student_groups {G}: more groups than the g*r = {students} students"),
         (world_size % G, f"--student_groups {G} does not divide the {world_size} ranks"),
         (cfg.micro_batch_tokens < seq_len, f"--micro_batch_tokens {cfg.micro_batch_tokens} is less "
                                            "than one sequence (prompt + completion: "
@@ -394,7 +395,6 @@ def setup(cfg: Config) -> Run | None:
     if not cfg.train:
         raise SystemExit("--train is required with --model: the hard train split "
                          "(jsonl/parquet, question/answer)")
-    rloo.lock_folder(cfg.out)   # one run per folder
     hard = data.load_problems(cfg.train)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.model)
@@ -402,6 +402,7 @@ def setup(cfg: Config) -> Run | None:
                               cfg.teacher_max_tokens)
     if problems := check(cfg, world_size, len(hard), seq_len):
         raise SystemExit("soar.py: these settings cannot work:\n  " + "\n  ".join(problems))
+    rloo.lock_folder(cfg.out)   # one run per folder (and no folder for settings that cannot work)
     ckpt, state = rloo.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
     state = state or dict(step=0, history=[], promotions=0, pq=0, rows={}, archive=[])
     # the files hold exactly the committed steps, the last one's rows from the checkpoint

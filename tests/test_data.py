@@ -25,7 +25,7 @@ GOOD = "Let me think.\n<question>What is 3 + 4 * 2?</question><answer>\\boxed{11
     ("<question>What is 2^{10}?</question>\nWhy: doubling ten times.\n"
      "<answer>\\boxed{1024}</answer>", ("What is 2^{10}?", "1024")),
     ("<question>Q?</question> (easy) <question>R?</question><answer>\\boxed{1}</answer>",
-     ("Q?", "1")),                                 # the first question
+     ("R?", "1")),                                 # the answer's own question, not the first
     (GOOD + GOOD, ("What is 3 + 4 * 2?", "11")),   # the first problem
 ])
 def test_parse_teacher_accepts(text, expected):

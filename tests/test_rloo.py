@@ -61,6 +61,16 @@ def test_rloo_advantages_by_hand():
     assert rloo.rloo_advantages(torch.rand(5, 7)).sum(-1).abs().max() < 1e-6   # sums to zero
 
 
+def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
+    for n in (1, 2, 3):   # the same step-5 written again after each fallback, damaged again
+        (tmp_path / "step-5").mkdir()
+        (tmp_path / "step-5" / "f").write_text(str(n))
+        suffix = ".damaged" + ("" if n == 1 else f"-{n}")
+        assert rloo.set_aside(str(tmp_path / "step-5")) == str(tmp_path / f"step-5{suffix}")
+        assert (tmp_path / f"step-5{suffix}" / "f").read_text() == str(n)
+    assert not (tmp_path / "step-5").exists()
+
+
 def test_micro_batches_and_chunks():
     assert rloo._micro_batches([5, 9, 2, 9], 20) == [[1, 3], [0, 2]]
     assert rloo._micro_batches([30], 8) == [[0]]            # an over-long row still runs alone

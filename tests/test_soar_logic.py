@@ -77,15 +77,18 @@ def test_can_promote_only_when_the_window_can_pass_tau():
 def test_settings_that_cannot_work_are_named_by_flag():
     ok = Config(train="t.jsonl")
     assert soar.check(ok, world_size=32, n_hard=359, seq_len=1200) == []
-    bad = Config(train="t.jsonl", window=0, qr_size=400, student_groups=3, student_samples=1,
-                 micro_batch_tokens=512)
+    bad = Config(train="t.jsonl", outer_steps=0, window=0, qr_size=400, student_groups=3,
+                 student_samples=1, micro_batch_tokens=512)
     problems = " | ".join(soar.check(bad, world_size=32, n_hard=359, seq_len=1200))
-    for flag in ("--window 0", "--qr_size 400", "--student_groups 3 does not divide the 32 ranks",
-                 "--student_samples 1", "--micro_batch_tokens 512 is less than one sequence "
+    for flag in ("--outer_steps 0", "--window 0", "--qr_size 400",
+                 "--student_groups 3 does not divide the 32 ranks", "--student_samples 1",
+                 "--micro_batch_tokens 512 is less than one sequence "
                  "(prompt + completion: up to 1200 tokens)"):
         assert flag in problems
     assert "more groups than the g*r = 16 students" in \
         soar.check(Config(train="t", student_groups=32), 32, 359, 1)[0]
+    assert soar.check(Config(train="t", students=0), 32, 359, 1) == \
+        ["--students 0: need r >= 1 per dataset"]   # not "max() arg is an empty sequence"
 
 
 def test_opensir_reward_ranks_calibrated_novel_questions_first():
