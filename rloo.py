@@ -712,6 +712,12 @@ def rank0() -> bool:
     return dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK", "0") == "0"
 
 
+def readable(x: float, units=((1e9, "B"), (1e6, "M"))) -> str:
+    """x in the largest of `units` it reaches (else the last), to 3 digits: 0.6 M, 3.21 B"""
+    scale, name = next((u for u in units if x >= u[0]), units[-1])
+    return f"{x / scale:.3g} {name}"
+
+
 def print0(*args, **kwargs) -> None:
     if rank0():
         print(*args, **{"flush": True, **kwargs})
@@ -808,13 +814,18 @@ def config_from(cls, args: dict, preset: dict):
 @contextmanager
 def clean_exit(script: str):
     """Around a script's main: a RuntimeError or ValueError ends the run with a one-line message on
-    rank 0 and exit code 1. The engines shut down before the process group goes (their shutdown
-    tears down vLLM's groups, the default one too; left to the interpreter's exit, it fails)."""
+    rank 0 and exit code 1, and so does a SystemExit("message") (the other ranks exit 1 silently).
+    The engines shut down before the process group goes (their shutdown tears down vLLM's groups,
+    the default one too; left to the interpreter's exit, it fails)."""
     try:
         yield
     except (RuntimeError, ValueError) as e:
         print0(f"{script}: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except SystemExit as e:
+        if isinstance(e.code, str) and not rank0():
+            raise SystemExit(1) from None
+        raise
     finally:
         for llm in ENGINES:
             llm.llm_engine.engine_core.shutdown()

@@ -427,14 +427,14 @@ def setup(cfg: Config) -> Run | None:
         rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
         rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta: weights
     n_params = sum(p.numel() for p in teacher.model.parameters())
-    hf = n_params * teacher.save_dtype.itemsize / 1e9
+    size = lambda n_bytes: rloo.readable(n_bytes, ((1e9, "GB"), (1e6, "MB")))  # noqa: E731
     rloo.print0(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model "
-                f"{cfg.model} ({n_params / 1e9:.2f} B parameters); out {cfg.out}; "
+                f"{cfg.model} ({rloo.readable(n_params)} parameters); out {cfg.out}; "
                 f"{'resuming at' if ckpt else 'starting at'} step {state['step']} of "
-                f"{cfg.outer_steps}\nwritten per step: checkpoint {12 * n_params / 1e9:.2f} GB "
-                f"(teacher fp32 weights + AdamW; the student's {4 * n_params / 1e9:.2f} GB of "
-                f"weights only after a promotion), HF folders {hf:.2f} GB each every "
-                f"{cfg.save_every} steps")
+                f"{cfg.outer_steps}\nwritten per step: checkpoint {size(12 * n_params)} "
+                f"(teacher fp32 weights + AdamW; the student's {size(4 * n_params)} of "
+                f"weights only after a promotion), HF folders "
+                f"{size(n_params * teacher.save_dtype.itemsize)} each every {cfg.save_every} steps")
     return Run(mesh, tok, llm, teacher, student, rloo.snapshot(student), hard, state, n_params)
 
 

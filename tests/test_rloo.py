@@ -61,6 +61,11 @@ def test_rloo_advantages_by_hand():
     assert rloo.rloo_advantages(torch.rand(5, 7)).sum(-1).abs().max() < 1e-6   # sums to zero
 
 
+def test_readable_units():
+    assert [rloo.readable(n) for n in (6.1e5, 1.2e8, 3.2125e9)] == ["0.61 M", "120 M", "3.21 B"]
+    assert rloo.readable(7.3e6, ((1e9, "GB"), (1e6, "MB"))) == "7.3 MB"
+
+
 def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
     for n in (1, 2, 3):   # the same step-5 written again after each fallback, damaged again
         (tmp_path / "step-5").mkdir()

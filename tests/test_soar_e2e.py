@@ -148,5 +148,7 @@ def test_opensir_teacher(tmp_path):
 def test_clean_failures(tmp_path):
     p = soar(tmp_path / "c", "--qr_size", "100000", "--window", "0")
     assert p.returncode != 0 and "M=100000" in p.stderr and "--window 0" in p.stderr
+    assert p.stderr.count("cannot work") == 1          # rank 0 says it, once
+    assert not (tmp_path / "c").exists()                # and no folder is left behind
     p = soar(tmp_path / "d", "--teacher_max_tokens", "1", "--max_rejection_rounds", "2")
     assert p.returncode == 1 and "valid question-answer pairs" in p.stdout + p.stderr
