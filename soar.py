@@ -21,6 +21,7 @@ teacher/ and student/ (HF folders of the current teacher and baseline student), 
 import dataclasses
 import os
 import random
+import shutil
 import time
 
 import numpy as np
@@ -395,14 +396,17 @@ def setup(cfg: Config) -> Run | None:
     if not cfg.train:
         raise SystemExit("--train is required with --model: the hard train split "
                          "(jsonl/parquet, question/answer)")
+    made = not os.path.exists(cfg.out)   # (then removed again if the settings cannot work)
+    rloo.lock_folder(cfg.out)   # one run per folder: a second one is refused at once
     hard = data.load_problems(cfg.train)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.model)
     seq_len = rloo.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
                               cfg.teacher_max_tokens)
     if problems := check(cfg, world_size, len(hard), seq_len):
+        if made and rloo.rank0():
+            shutil.rmtree(cfg.out)
         raise SystemExit("soar.py: these settings cannot work:\n  " + "\n  ".join(problems))
-    rloo.lock_folder(cfg.out)   # one run per folder (and no folder for settings that cannot work)
     ckpt, state = rloo.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
     state = state or dict(step=0, history=[], promotions=0, pq=0, rows={}, archive=[])
     # the files hold exactly the committed steps, the last one's rows from the checkpoint
