@@ -384,8 +384,8 @@ def rloo_loss(logp, ref_logp, adv, mask, kl_coef: float):
         kl = exp(ref - logp) - (ref - logp) - 1    (k3 estimator, >= 0; 0 without a reference)
     Returns the masked sums of pg + kl_coef * kl (to backpropagate), of pg and of kl (detached)."""
     pg = -adv * torch.exp(logp - logp.detach())
-    d = ref_logp - logp if ref_logp is not None else None
-    kl = torch.exp(d) - d - 1 if d is not None else torch.zeros_like(logp)
+    d = ref_logp - logp if ref_logp is not None else torch.zeros_like(logp)
+    kl = torch.exp(d) - d - 1
     return (((pg + kl_coef * kl) * mask).sum(), (pg.detach() * mask).sum(),
             (kl.detach() * mask).sum())
 
