@@ -106,15 +106,16 @@ def last_boxed(text: str) -> str | None:
     return None  # unclosed: truncated output
 
 
-# the first answer and the question just before it, closed by </question> or (as the paper
-# prints it) by <question>; text around and between is free (METHOD.md "Format filter")
+# the first question, closed by </question> or (as the paper prints it) by <question>, then its
+# answer with no other <question> between; text around and between is free (METHOD.md "Format
+# filter")
 _Q = re.compile(r"<question>((?:(?!</?question>).)*?)(?:</question>|<question>)"
                 r"(?:(?!<question>).)*?<answer>(.*?)</answer>", re.S)
 
 
 def _parse_teacher_text(text: str) -> tuple[str, str] | None:
     """The format filter's string half: both tags opened and closed, a non-empty boxed answer."""
-    m = _Q.search(text)
+    m = _Q.match(text, max(text.find("<question>"), 0))
     if m is None:
         return None
     question, answer = m.group(1).strip(), last_boxed(m.group(2))
@@ -333,7 +334,13 @@ def load_problems(source: str) -> list[dict]:
     Problems without a gold answer, or whose gold answer math-verify cannot parse, are dropped with
     a note (they could never be solved, so they would pass any fail@k filter: METHOD.md "Data")."""
     if source in ("math", "harp", "olympiad"):
-        rows = _from_hub(source)
+        try:
+            rows = _from_hub(source)
+        except OSError as e:   # no network, no such file on the hub (requests' errors are OSErrors)
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise RuntimeError(f"hub pool {source}: cannot fetch it ({why}); on a "
+                               f"machine with network, `python data.py {source} FILE` saves it "
+                               "as a file to pass instead") from None
         kept = [r for r in rows if r["question"].strip() and r["answer"].strip()]
         if len(kept) < len(rows):
             print(f"load_problems({source}): dropped {len(rows) - len(kept)} of {len(rows)} rows "
@@ -386,12 +393,6 @@ def append_jsonl(path: str, rows: list[dict]) -> None:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def truncate_jsonl(path: str, step: int) -> None:
-    """Drop rows of steps >= step (logged by a run killed before that step's checkpoint landed).
-    Creates the file if missing (an empty pq.jsonl: no promotion yet)."""
-    write_jsonl(path, [r for r in read_jsonl(path) if r["step"] < step])
 
 
 def split_train_test(problems: list[dict], seed: int = 0) -> tuple[list[dict], list[dict]]:

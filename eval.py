@@ -25,6 +25,7 @@ import random
 import re
 import shutil
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -92,6 +93,10 @@ class Config:
     gpu_memory_utilization: float = 0.3     # the vLLM engine's share of GPU memory
 
 
+COUNTS = {2: ("student_samples", "big_group"),   # the least values of count flags
+          1: ("passk_samples", "filter_samples", "student_steps", "student_questions",
+              "student_max_tokens", "teacher_max_tokens", "teacher_questions", "eval_every",
+              "ckpt_every", "es_window", "es_average", "vendi_subset", "vendi_draws")}
 KS = (1, 4, 8, 16, 32)
 LEEPS_WINDOW = 20       # steps over which each portfolio's share of non-trivial groups is measured
 LEEPS_NEIGHBOURS = 8    # nearest neighbours whose outcomes rank an explore question
@@ -112,6 +117,7 @@ class Row:
     group: str = "student_samples"    # the Config field of its RLOO group size
     advantages: object = rloo.rloo_advantages   # its student's advantages (rloo.sept_advantages)
     temperature: str = "temperature"  # the Config field of its student's sampling temperature
+    train_temperature: float | None = None   # its log-probs' in training; None: the sampling one
     kl: bool = True       # the k3 KL to the base model in its student's loss
     sampler: str = ""     # uniform or leeps; "" = --sampler
 
@@ -135,7 +141,8 @@ ROWS = {  # the paper's Tables 4-6 rows, in its order (the report keeps it); a n
     "opensir-t": Row("fresh student on 128 questions of the OpenSIR-style teacher + hard train",
                      teacher="{opensir}/teacher"),
     "sept": Row("fresh student, SePT: NLL on its own answers to the hard train split, no reward",
-                advantages=rloo.sept_advantages, temperature="sept_temperature", kl=False),
+                advantages=rloo.sept_advantages, temperature="sept_temperature", kl=False,
+                train_temperature=1.0),   # NLL of the model itself on its sharper samples
     "upper-128": Row("fresh student on 128 questions of --extra + hard train", file="{extra}",
                      subsample=True),
     "upper": Row("fresh student on all of --extra (e.g. MATH train) + hard train", file="{extra}"),
@@ -179,13 +186,16 @@ def parse_args(argv=None) -> tuple[str, list[str], Config]:
                    help="filter: pools; row: methods; sample-teacher: a teacher; vendi: files")
     a = vars(p.parse_intermixed_args(argv))   # options anywhere: before, between and after the rows
     command, args, cfg = a["command"], a["args"], rloo.config_from(Config, a, world.PRESET)
+    error = p.error if rloo.rank0() else lambda _: sys.exit(2)   # rank 0 says it, once
+    if bad := rloo.too_small(cfg, COUNTS) + ["--temperature: need T > 0"] * (cfg.temperature <= 0):
+        error("these settings cannot work: " + "; ".join(bad))
     if cfg.mode not in ("mixed", "curriculum") or cfg.sampler not in ("uniform", "leeps"):
-        p.error(f"--mode must be mixed or curriculum and --sampler uniform or leeps, not "
-                f"{cfg.mode!r}, {cfg.sampler!r}")
+        error(f"--mode must be mixed or curriculum and --sampler uniform or leeps, not "
+              f"{cfg.mode!r}, {cfg.sampler!r}")
     if command == "row" and (not args or set(args) - set(ROWS)):
-        p.error(f"row needs methods out of: {', '.join(ROWS)}")
+        error(f"row needs methods out of: {', '.join(ROWS)}")
     if command == "train" and not (cfg.synthetic and cfg.name) or cfg.name in ROWS:
-        p.error("train needs --synthetic FILE and --name NAME (a name that is not one of the rows)")
+        error("train needs --synthetic FILE and --name NAME (a name that is not one of the rows)")
     return command, args, cfg
 
 
@@ -390,14 +400,14 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
     if ckpt:
         rloo.load_state(policy, os.path.join(ckpt, "policy"))
     start = state["step"] if ckpt else 0
-    rloo.reset_rows(out, {"metrics.jsonl": [], "evals.jsonl": []}, start)  # only the ckpt's steps
+    rloo.restore_rows(out, ckpt, ("metrics.jsonl", "evals.jsonl"))   # only the ckpt's steps
     rloo.print0(f"{method} seed {seed}: {len(synthetic)} synthetic + {len(real)} real questions, "
                 f"{cfg.mode}, group {cfg.student_samples}; "
                 f"{'resuming at' if start else 'starting at'} step {start} -> {out}")
     dist.barrier()
     metrics, evals, emb = data.read_jsonl(metrics_path), data.read_jsonl(evals_path), {}
     rewards = [m["reward"] for m in metrics]
-    step = start
+    step, committed = start, (len(metrics), len(evals))   # the rows the last checkpoint holds
     with tqdm(total=cfg.student_steps, initial=start, disable=not rloo.rank0(), desc=method,
               dynamic_ncols=True) as bar:
         while True:
@@ -425,7 +435,8 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
                                       max_tokens=cfg.student_max_tokens, group=dist.group.WORLD,
                                       seed=rloo.seed_of(seed, "student", step),
                                       micro_batch_tokens=cfg.micro_batch_tokens,
-                                      advantages=row.advantages, loss=rloo.rloo_loss)
+                                      advantages=row.advantages, loss=rloo.rloo_loss,
+                                      train_temperature=row.train_temperature)
             rewards.append(stats["reward"])
             metrics.append({
                 "step": step, "source": source, "questions": idx, "portfolio": portfolio, **stats,
@@ -439,7 +450,10 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
             bar.set_postfix(reward=f"{stats['reward']:.1f}", acc=f"{stats['accuracy']:.3f}")
             if step % cfg.ckpt_every == 0:
                 rloo.save_checkpoint(out, step, {"policy": (policy, True)},
-                                     {"step": step, "config": config})
+                                     {"step": step, "config": config},
+                                     rows={"metrics.jsonl": metrics[committed[0]:],
+                                           "evals.jsonl": evals[committed[1]:]})
+                committed = (len(metrics), len(evals))
     res = dict(method=os.path.basename(os.path.dirname(out)), test=cfg.test, seed=seed,
                mode=cfg.mode, samples=cfg.student_samples, steps_done=step,
                n_synthetic=len(synthetic), n_real=len(real), sampler=cfg.sampler,
@@ -454,27 +468,21 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
 
 # ---- commands that need the engines ----
 
-def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False):
+def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False,
+          engine_share: float | None = None):
     """mesh (one FSDP mesh over all ranks: the student is sharded over all, each rank's engine makes
     its share), tokenizer and a per-rank engine fitting the longest question plus a completion and,
     if `teacher`, a teacher prompt plus its sample and such a sample as a question."""
-    from transformers import AutoTokenizer
     _, world_size, device = rloo.init_distributed()
     mesh = init_device_mesh(device.type, (world_size,))
-    tok = AutoTokenizer.from_pretrained(cfg.model)
+    tok = rloo.tokenizer(cfg.model)
     seq_len = rloo.engine_len(tok, [q["question"] for qs in question_sets for q in qs],
                               cfg.student_max_tokens, cfg.teacher_max_tokens if teacher else 0)
-    bad = [msg for b, msg in [
-        (cfg.student_samples < 2 or cfg.big_group < 2,
-         "--student_samples and --big_group: RLOO needs at least 2"),
-        (min(cfg.student_questions, cfg.eval_every, cfg.ckpt_every, cfg.passk_samples) < 1,
-         "--student_questions, --eval_every, --ckpt_every and --passk_samples must be at least 1"),
-        (cfg.micro_batch_tokens < seq_len, f"--micro_batch_tokens {cfg.micro_batch_tokens} is less "
-         f"than one sequence (prompt + completion: up to {seq_len} tokens)")] if b]
-    if bad:
-        raise SystemExit("eval.py: these settings cannot work:\n  " + "\n  ".join(bad))
+    if cfg.micro_batch_tokens < seq_len:
+        raise SystemExit(f"eval.py: error: --micro_batch_tokens {cfg.micro_batch_tokens} is less "
+                         f"than one sequence (prompt + completion: up to {seq_len} tokens)")
     llm = rloo.build_engine(cfg.model, seed=seeds(cfg)[0], max_model_len=seq_len,
-                            gpu_memory_utilization=cfg.gpu_memory_utilization)
+                            gpu_memory_utilization=engine_share or cfg.gpu_memory_utilization)
     return mesh, tok, llm
 
 
@@ -498,6 +506,11 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
     rows = {m: row_of(m, cfg) for m in methods}
     if missing := missing_inputs(rows, cfg):   # before the world is built
         raise SystemExit(f"missing inputs (method: path or flag): {missing}")
+    for path in {path_of(t, cfg) for r in rows.values() for t in (r.model, r.teacher)
+                 if t and "{model}" not in t}:   # a soar.py run's teacher/ or student/
+        if behind := rloo.hf_behind(os.path.dirname(path), names=[os.path.basename(path)]):
+            raise SystemExit(f"eval.py: error: {behind[0]} is behind its run's checkpoint: rerun "
+                             "that soar.py command to finish writing it")
     cfg = world.resolve(cfg)
     soar = soar_config(cfg.soar) if any("{soar}" in t for r in rows.values()
                                         for t in (r.model, r.teacher, r.file)) else None
@@ -508,8 +521,10 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
     if not (cfg.train and cfg.test):
         raise SystemExit("--train and --test are required with --model: "
                          "the fail@128 train and test splits")
-    hard, test = data.load_problems(cfg.train), data.load_problems(cfg.test)
-    files = {r.file: data.load_problems(path_of(r.file, cfg)) for m, r in rows.items() if r.file}
+    rloo.init_distributed()   # rank 0 reads the problems (load_problems drops some on timeouts)
+    hard, test = (rloo.on_rank0(data.load_problems, f) for f in (cfg.train, cfg.test))
+    files = {r.file: rloo.on_rank0(data.load_problems, path_of(r.file, cfg))
+             for r in rows.values() if r.file}
     mesh, tok, llm = setup(cfg, [hard, test, *files.values()],
                            teacher=any(r.teacher for r in rows.values()))
     for method, row in rows.items():
@@ -572,21 +587,42 @@ def cmd_sample_teacher(cfg: Config, args: list[str]) -> None:
         print(f"wrote {len(qs)} questions of {path} to {cfg.out}")
 
 
+def counted(path: str) -> list[dict]:
+    """a filter's counts.jsonl up to its first row that is not the next problem's (a line cut by a
+    kill, garbage), the file rewritten to those rows"""
+    lines = open(path, encoding="utf-8", errors="replace").readlines() \
+        if os.path.exists(path) else []
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            break
+        if not (isinstance(row, dict) and row.get("index") == len(rows)
+                and isinstance(row.get("correct"), int)):
+            break
+        rows.append(row)
+    if len(rows) < len(lines):
+        print(f"{path}: {len(lines) - len(rows)} lines from line {len(rows) + 1} on are cut or "
+              "garbage: dropped, to be counted again", file=sys.stderr)
+    data.write_jsonl(path, rows)
+    return rows
+
+
 def cmd_filter(cfg: Config, pools: list[str]) -> None:
     """fail@128 (METHOD.md "Data"): for each pool, keep the problems the model never solves in
     filter_samples tries, split them 50/50 (seeded). Writes <out>/<pool>/ counts.jsonl (per problem,
     appended per chunk: a rerun continues), train.jsonl, test.jsonl, filter.json."""
     if not (cfg.model and cfg.out and pools):
         raise SystemExit("filter needs pools (math, harp, olympiad or files), --model and --out")
-    problems = {p: data.load_problems(p) for p in pools}
-    mesh, tok, llm = setup(cfg, list(problems.values()))
+    rloo.init_distributed()
+    problems = {p: rloo.on_rank0(data.load_problems, p) for p in pools}
+    mesh, tok, llm = setup(cfg, list(problems.values()), engine_share=0.9)   # no trainer beside
     n, chunk = cfg.filter_samples, max(1, 8192 // cfg.filter_samples)
     for pool, probs in problems.items():
         out = os.path.join(cfg.out, os.path.splitext(os.path.basename(pool))[0])
         counts_path = os.path.join(out, "counts.jsonl")
-        have = data.read_jsonl(counts_path)
-        if rloo.rank0():
-            os.makedirs(out, exist_ok=True)
+        have = rloo.on_rank0(counted, counts_path)
         rloo.print0(f"{pool}: {len(probs)} problems, {len(have)} done")
         for lo in tqdm(range(len(have), len(probs), chunk), disable=not rloo.rank0(), desc=pool,
                        dynamic_ncols=True):

@@ -9,6 +9,7 @@ built with distributed_executor_backend="external_launcher", so each engine live
 rank's process and serves whatever weights are synced into it next (teacher or student).
 """
 import argparse
+import atexit
 import dataclasses
 import fcntl
 import glob
@@ -23,6 +24,7 @@ import shutil
 import socket
 import sys
 import time
+import zlib
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -86,27 +89,78 @@ _LOCKS = []   # lock files this process holds (lock_folder); the kernel releases
 
 
 def lock_folder(folder: str) -> None:
-    """One run per folder: rank 0 takes an exclusive lock on folder/.lock for the process's life. A
-    second run on the folder stops at once with an error naming the folder and the live process; a
-    dead run's lock is gone with it (flock), so a resume is never blocked. All ranks call."""
-    err = None
-    if rank0():
+    """One run per folder: rank 0 locks folder/.lock for the process's life (flock; on a filesystem
+    without it, a file .lock.pid made with O_EXCL). A second run on the folder stops at once with an
+    error naming the folder and the live process; a dead run's lock never blocks its resume (flock
+    goes with its process; a .lock.pid naming a dead pid of this host is taken over). All call."""
+    on_rank0(_lock, folder)
+
+
+def _lock(folder: str) -> None:
+    me = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    busy = f"{folder} is in use by a live run ({{}}); wait for it to end, stop it, or choose " \
+           "another folder"
+    try:
         os.makedirs(folder, exist_ok=True)
         f = open(os.path.join(folder, ".lock"), "a+")
+    except OSError as e:
+        raise RuntimeError(f"{folder}: cannot write there ({e.strerror})") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        raise RuntimeError(busy.format(f.read().strip() or "another process")) from None
+    except OSError:   # no flock here (some NFS and FUSE mounts)
+        f.close()
+        path = os.path.join(folder, ".lock.pid")
+        while True:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                break
+            except FileExistsError:
+                with open(path) as g:
+                    holder = g.read().strip()
+                m = re.match(r"pid (\d+) on (\S+)", holder)
+                if not (m and m[2] == socket.gethostname() and not _alive(int(m[1]))):
+                    raise RuntimeError(busy.format(holder) + f" (if none is, remove {path})")
+                os.remove(path)   # its run died
+        os.write(fd, (me + "\n").encode())
+        os.close(fd)
+        atexit.register(lambda: os.path.exists(path) and os.remove(path))
+        return
+    f.truncate(0)
+    f.write(me + "\n")
+    f.flush()
+    _LOCKS.append(f)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def on_rank0(fn, *args):
+    """fn(*args) on rank 0 alone, its result (or its error) on every rank: what rests on a timeout
+    or on the filesystem (a problem list, a lock, a checkpoint's listing) is decided once, so ranks
+    never disagree nor wait on a rank that failed alone. Before init_distributed: just fn(*args)."""
+    if not dist.is_initialized():
+        return fn(*args)
+    res = None
+    if rank0():
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            f.truncate(0)
-            f.write(f"pid {os.getpid()} on {socket.gethostname()} "
-                    f"since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            f.flush()
-            _LOCKS.append(f)
-        except BlockingIOError:
-            f.seek(0)
-            err = f"{folder} is in use by a live run ({f.read().strip() or 'another process'}); " \
-                  f"wait for it to end, stop it, or choose another folder"
-    err = all_gather(err)[0]
-    if err:
-        raise RuntimeError(err)
+            res = (fn(*args), None)
+        except Exception as e:   # raised on every rank; types clean_exit reports in one line
+            res = (None, e if isinstance(e, (RuntimeError, ValueError, OSError))
+                   else RuntimeError(f"{type(e).__name__}: {e}"))
+    value, err = all_gather(res)[0]
+    if err is not None:
+        raise err
+    return value
 
 
 def chunk(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -141,7 +195,7 @@ def split_map(fn, items: list, group=None) -> list:
 # sampling
 
 def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
-                 gpu_memory_utilization: float = 0.3):
+                 gpu_memory_utilization: float = 0.3, **engine_args):
     """One engine per rank, built ONCE (all ranks at the same time: vLLM makes groups) and
     reused for every model the rank serves; weights change only through sync_weights."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # else an INFO line per weight sync
@@ -161,7 +215,7 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
               # CPU: a chunked prefill of a seeded request crashes vLLM 0.32's CPU runner
               # ("CPU Generator does not use offset"); batches past 4096 prompt tokens chunk
               enable_chunked_prefill=not cpu,
-              max_num_batched_tokens=max(4096, max_model_len) if cpu else None)
+              max_num_batched_tokens=max(4096, max_model_len) if cpu else None, **engine_args)
     # the rotary cos/sin cache is not in HF checkpoints, so every reload warns that it kept the
     # engine's own copy, which is right (set after LLM(): vLLM configures its loggers there)
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
@@ -194,6 +248,17 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
              for c in (o.outputs * n if greedy else o.outputs)] for o in outs]
     count("generated", sum(len(c.token_ids) for o in outs for c in o.outputs))
     return mine if world == 1 else [s for part in all_gather(mine, group) for s in part]
+
+
+def tokenizer(model: str):
+    """the tokenizer of --model, or a one-line error if it is neither an HF folder nor a hub id
+    that can be reached"""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"--model {model}: neither an HF model folder nor a hub id this machine "
+                           f"can reach ({str(e).strip().splitlines()[0][:200]})") from None
 
 
 def engine_len(tok, questions: list[str], student_max_tokens: int,
@@ -348,20 +413,21 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - (rewards.sum(-1, keepdim=True) - rewards) / (g - 1)
 
 
-def _head_logprobs(hidden, weight, targets):
-    logits = torch.nn.functional.linear(hidden, weight).float()
+def _head_logprobs(hidden, weight, targets, temperature):
+    logits = torch.nn.functional.linear(hidden, weight).float() / temperature
     return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)
 
 
-def token_logprobs(model, ids, attn):
-    """log p(ids[:, t+1] | ids[:, :t+1]) for all t, [B, L-1], fp32. The full [tokens, vocab] logits
+def token_logprobs(model, ids, attn, temperature: float = 1.0):
+    """log p(ids[:, t+1] | ids[:, :t+1]) for all t, [B, L-1], fp32, of the logits / temperature
+    (the distribution vLLM samples from at that temperature). The full [tokens, vocab] logits
     never exist (3B, 16k tokens x 128k vocab: 8 GB in fp32, kept by autograd): the head runs on
     chunks of positions, each recomputed in backward (checkpoint), its weight read after the forward
     (lm_head returns its input): FSDP2 keeps the root's parameters gathered until backward."""
     hidden = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
     step, weight = max(1, LOGIT_CHUNK_TOKENS // ids.shape[0]), model.lm_head.weight
     return torch.cat([checkpoint(_head_logprobs, hidden[:, i:i + step], weight,
-                                 ids[:, i + 1:i + 1 + step], use_reentrant=False)
+                                 ids[:, i + 1:i + 1 + step], temperature, use_reentrant=False)
                       for i in range(0, hidden.shape[1], step)], 1)
 
 
@@ -416,10 +482,12 @@ def _collate(seqs, prompt_lens, advantages, rows, dev):
 
 
 def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-               advantages: list[float], *, loss, micro_batch_tokens: int = 16384) -> dict:
-    """One on-policy update on this rank's rows of the batch (every rank of policy.mesh calls it
-    with its own): `loss` (rloo_loss) summed over the micro-batches, divided by the completion
-    tokens of the GLOBAL batch and, as FSDP averages gradients over ranks, times the mesh size."""
+               advantages: list[float], *, loss, temperature: float,
+               micro_batch_tokens: int = 16384) -> dict:
+    """One update on this rank's rows of the batch (every rank of policy.mesh calls it with its
+    own): `loss` (rloo_loss) of the log-probs at `temperature` (the one sampled at: on-policy),
+    summed over the micro-batches, divided by the completion tokens of the GLOBAL batch and, as FSDP
+    averages gradients over ranks, times the mesh size."""
     dev, group = policy.device, policy.mesh.get_group()
     world = dist.get_world_size(group)
     seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
@@ -436,9 +504,12 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
     prompt_lens = [len(p) for p in prompt_ids]
     for rows in batches:
         ids, attn, mask, adv = _collate(seqs, prompt_lens, advantages, rows, dev)
-        logp = token_logprobs(policy.model, ids, attn)
-        with torch.no_grad():
-            ref_logp = token_logprobs(policy.ref, ids, attn) if policy.ref is not None else None
+        logp = token_logprobs(policy.model, ids, attn, temperature)
+        ref_logp = None
+        if policy.ref is not None:
+            with torch.no_grad():
+                ref_logp = token_logprobs(policy.ref, ids, attn, temperature)
+            _reshard(policy.ref)   # else its root (embeddings, head) stays gathered: 0.7 GiB at 3B
         total, pg, kl = loss(logp, ref_logp, adv, mask, policy.kl_coef)
         (total * scale * (0.0 if rows is None else 1.0)).backward()
         stats[1] += pg
@@ -469,11 +540,12 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
 
 def student_step(policy: Policy, llm, batch: list[tuple[str, str]], *, samples: int,
                  temperature: float, max_tokens: int, seed: int, group, micro_batch_tokens: int,
-                 advantages, loss) -> dict:
+                 advantages, loss, train_temperature: float | None = None) -> dict:
     """One student step on (question, answer) pairs (METHOD.md "Inner loop"; also eval.py's fresh
     students): sync, sample `samples` per question on the group's engines, grade (METHOD.md
     "Rewards"), `advantages` of each question's [samples] rewards (rloo_advantages: leave-one-out;
-    sept_advantages: all 1), one `loss` update. `nontrivial`: per question, did its rewards vary."""
+    sept_advantages: all 1), one `loss` update at train_temperature (default: the sampling one).
+    `nontrivial`: per question, did its rewards vary."""
     with timed("sync"):
         sync_weights(policy, llm)
     with timed("student_rollouts"):
@@ -486,6 +558,7 @@ def student_step(policy: Policy, llm, batch: list[tuple[str, str]], *, samples: 
                     group)
     stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows],
                        [smp.token_ids for smp, _ in rows], [a for _, a in rows], loss=loss,
+                       temperature=temperature if train_temperature is None else train_temperature,
                        micro_batch_tokens=micro_batch_tokens)
     return {**stats, "reward": sum(rewards) / len(rewards),
             "nontrivial": (table.std(1) > 0).tolist(),
@@ -582,12 +655,44 @@ def save_hf(policy: Policy, path: str, tokenizer=None, version: int = 0,
     dist.barrier()
 
 
+def hf_behind(out: str, state: dict | None = None, names=("teacher", "student")) -> list[str]:
+    """the HF folders `names` of soar.py run `out` that do not hold its checkpoint's state (state:
+    that checkpoint's, else the newest one's): by their soar.json, the teacher's step, the student's
+    promotions (it is written only when theta changes)"""
+    if state is None:
+        ckpts = ckpt_dirs(out)
+        if not ckpts:
+            return []
+        state = data.read_json(os.path.join(ckpts[-1], "state.json"))
+    behind = []
+    for name in names:
+        path = os.path.join(out, name, "soar.json")
+        tag = data.read_json(path) if os.path.exists(path) else {}
+        if tag.get("promotions") != state["promotions"] or \
+                name == "teacher" and tag.get("step") != state["step"]:
+            behind.append(f"{os.path.join(out, name)} (step {tag.get('step')}, the checkpoint's "
+                          f"{state['step']})")
+    return behind
+
+
 def _state(policy: Policy, optimizer: bool) -> dict:
     _reshard(policy.model)
-    if not optimizer:
-        return {"model": get_model_state_dict(policy.model)}
-    msd, osd = get_state_dict(policy.model, policy.optimizer)
-    return {"model": msd, "optim": osd, "sched": policy.scheduler.state_dict()}
+    msd, osd = (get_state_dict(policy.model, policy.optimizer) if optimizer
+                else (get_model_state_dict(policy.model), None))
+    if policy.model.lm_head.weight is policy.model.get_input_embeddings().weight:   # tied: once
+        msd.pop("lm_head.weight", None)
+    return {"model": msd, "optim": osd, "sched": policy.scheduler.state_dict()} if optimizer \
+        else {"model": msd}
+
+
+def finite(policy: Policy, optimizer: bool = True) -> bool:
+    """are the weights (and AdamW moments) finite on every rank of the policy's mesh?"""
+    ts = list(policy.model.parameters()) + ([t for st in policy.optimizer.state.values()
+                                             for t in st.values() if t.dim()] if optimizer else [])
+    ok = torch.stack([torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all()
+                      for t in ts]).all().float()
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=policy.mesh.get_group())
+    return bool(ok.item())
 
 
 def save_state(policy: Policy, path: str, optimizer: bool = True) -> None:
@@ -601,15 +706,21 @@ def save_state(policy: Policy, path: str, optimizer: bool = True) -> None:
 def load_state(policy: Policy, path: str, optimizer: bool = True) -> None:
     state = _state(policy, optimizer)
     dcp.load(state, checkpoint_id=path)
+    opts = StateDictOptions(strict=False)   # lm_head.weight: tied, loaded as the embedding
     if optimizer:
         set_state_dict(policy.model, policy.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=opts)
         policy.scheduler.load_state_dict(state["sched"])
     else:
-        set_model_state_dict(policy.model, state["model"])
+        set_model_state_dict(policy.model, state["model"], options=opts)
+    if not finite(policy, optimizer):
+        raise RuntimeError(f"{path} holds non-finite weights or optimizer state; move its "
+                           "checkpoint aside to resume from the one before")
 
 
-# out/ckpt/step-N holds all a restart needs (save_state per policy, state.json), made in one rename
+# out/ckpt/step-N holds all a restart needs: save_state per policy, the run's jsonl rows up to step
+# N (rows/), and state.json, which lists every file's size and CRC-32 (resume checks them); it is
+# made as step-N.tmp and appears in one rename
 
 def ckpt_dirs(out: str) -> list[str]:
     """the finished checkpoints, oldest first (not step-N.tmp, being written, nor step-N.damaged)"""
@@ -619,49 +730,93 @@ def ckpt_dirs(out: str) -> list[str]:
     return [os.path.join(root, d) for d in sorted(done, key=lambda d: int(d[5:]))]
 
 
-def save_checkpoint(out: str, step: int, policies: dict, state: dict,
-                    unchanged: tuple = ()) -> None:
-    """out/ckpt/step-N: save_state of each policy (name: (policy, with optimizer state?)) and
-    state.json, which also lists every file's size (resume checks them); the newest KEEP_CKPTS stay.
+def _crc(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)   # 1.3 GB/s on one core
+    return crc
+
+
+def _checked(folder: str, files: dict) -> list:
+    """every rank reads its share of folder's `files` (relative path: [size, crc] or None to
+    compute): the (path, size, crc) of each file of the share, or what is wrong with it"""
+    mine = []
+    for rel in sorted(files)[dist.get_rank()::dist.get_world_size()]:
+        path, want = os.path.join(folder, rel), files[rel]
+        size = os.path.getsize(path) if os.path.exists(path) else None
+        crc = _crc(path) if size is not None and (not want or size == want[0]) else None
+        if size is None or want and size != want[0]:
+            mine.append(f"{path} is {'missing' if size is None else f'{size} bytes'}"
+                        + (f", {want[0]} bytes were written" if want else ""))
+        elif want and want[1] is not None and crc != want[1]:
+            mine.append(f"{path} has changed since it was written (CRC-32 {crc:08x}, written "
+                        f"{want[1]:08x})")
+        else:
+            mine.append((rel, size, crc))
+    return mine
+
+
+def _begin(tmp: str, prev: str | None, linked: list, rows: dict) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "rows"))
+    for name in linked:
+        shutil.copytree(os.path.join(prev, name), os.path.join(tmp, name), copy_function=os.link)
+    for name, new in rows.items():   # the previous checkpoint's rows and the new ones
+        old = os.path.join(prev or "", "rows", name)
+        text = open(old, encoding="utf-8").read() if prev and os.path.exists(old) else ""
+        data.write_text(os.path.join(tmp, "rows", name), text + "".join(
+            json.dumps(r, ensure_ascii=False) + "\n" for r in new))
+
+
+def _finish(out: str, tmp: str, final: str, state: dict, files: dict) -> None:
+    data.write_json(os.path.join(tmp, "state.json"), {**state, "files": files})
+    os.rename(tmp, final)
+    for old in ckpt_dirs(out)[:-KEEP_CKPTS]:
+        shutil.rmtree(old)
+    restore_rows(out, final, os.listdir(os.path.join(final, "rows")), quiet=True)
+
+
+def save_checkpoint(out: str, step: int, policies: dict, state: dict, unchanged: tuple = (),
+                    rows: dict | None = None) -> None:
+    """out/ckpt/step-N: save_state of each policy (name: (policy, with optimizer state?)), the rows
+    (jsonl name: the rows logged since the previous checkpoint) appended to that checkpoint's, and
+    state.json; then the rows files in out are rewritten from it and the newest KEEP_CKPTS stay.
     A policy named in `unchanged` holds the same state as in the previous checkpoint: its files are
-    hard-linked from there (if there: the same on every rank), not written again. All ranks call."""
-    final, prev = os.path.join(out, "ckpt", f"step-{step}"), (ckpt_dirs(out) or [None])[-1]
-    tmp = final + ".tmp"
-    linked = [n for n in unchanged if prev and os.path.isdir(os.path.join(prev, n))]
-    if rank0():
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        for name in linked:
-            shutil.copytree(os.path.join(prev, name), os.path.join(tmp, name),
-                            copy_function=os.link)
-    dist.barrier()
+    hard-linked from there, not written again. Non-finite state is never saved, and a failed write
+    (a full disk) removes step-N.tmp and stops the run naming the bytes needed. All ranks call."""
     for name, (policy, optimizer) in policies.items():
-        if name not in linked:
-            save_state(policy, os.path.join(tmp, name), optimizer)
-    if rank0():
-        files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
-                 for d, _, fs in os.walk(tmp) for f in fs}
-        data.write_json(os.path.join(tmp, "state.json"), {**state, "files": files})
-        os.rename(tmp, final)
-        for old in ckpt_dirs(out)[:-KEEP_CKPTS]:
-            shutil.rmtree(old)
-    dist.barrier()
-
-
-def _damage(ckpt: str) -> str | None:
-    """what is wrong with a checkpoint folder (a missing or truncated file), or None"""
+        if not finite(policy, optimizer):
+            raise RuntimeError(f"the {name}'s weights or optimizer state are not finite after step "
+                               f"{step}: not saved (the last checkpoint stays as it was)")
+    final = os.path.join(out, "ckpt", f"step-{step}")
+    prev = (on_rank0(ckpt_dirs, out) or [None])[-1]
+    tmp = final + ".tmp"
+    linked = on_rank0(lambda: [n for n in unchanged
+                               if prev and os.path.isdir(os.path.join(prev, n))])
     try:
-        with open(os.path.join(ckpt, "state.json")) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError) as e:
-        return f"{os.path.join(ckpt, 'state.json')} is unreadable ({e})"
-    for rel, size in files.items():
-        path = os.path.join(ckpt, rel)
-        if not os.path.exists(path) or os.path.getsize(path) != size:
-            return f"{path} is " \
-                f"{'missing' if not os.path.exists(path) else f'{os.path.getsize(path)} bytes'}" \
-                f", {size} bytes were written"
-    return None
+        on_rank0(_begin, tmp, prev, linked, rows or {})
+        for name, (policy, optimizer) in policies.items():
+            if name not in linked:
+                save_state(policy, os.path.join(tmp, name), optimizer)
+        listing = on_rank0(lambda: {os.path.relpath(os.path.join(d, f), tmp): None
+                                    for d, _, fs in os.walk(tmp) for f in fs})
+        checked = [x for part in all_gather(_checked(tmp, listing)) for x in part]
+        if bad := [x for x in checked if isinstance(x, str)]:
+            raise OSError(bad[0])
+        on_rank0(_finish, out, tmp, final, state, {r: [n, c] for r, n, c in checked})
+    except (Exception, CheckpointException) as e:   # (the latter is a BaseException)
+        on_rank0(shutil.rmtree, tmp, True)
+        errs = [e, *[f[0] if isinstance(f, tuple) else f   # dcp's: each rank's (error, trace)
+                     for f in getattr(e, "failures", {}).values()]]
+        why = next((x.strerror for x in errs if isinstance(x, OSError) and x.strerror), None) \
+            or (str(errs[-1]).strip().splitlines() or [type(errs[-1]).__name__])[0][:200]
+        need = sum((12 if opt else 4) * sum(p.numel() for p in policy.model.parameters())
+                   for n, (policy, opt) in policies.items() if n not in linked)   # fp32 + AdamW
+        free = readable(shutil.disk_usage(out).free, BYTES)
+        raise RuntimeError(f"cannot write the checkpoint {tmp} ({why}): it needs about "
+                           f"{readable(need, BYTES)}, {free} are free there; the last checkpoint "
+                           "is kept, rerun to resume") from None
 
 
 def set_aside(path: str) -> str:
@@ -675,27 +830,35 @@ def set_aside(path: str) -> str:
     return aside
 
 
+def _damage(ckpt: str) -> str | None:
+    """what is wrong with a checkpoint folder (a file missing, cut short or changed), or None"""
+    try:
+        files = on_rank0(lambda: data.read_json(os.path.join(ckpt, "state.json"))["files"])
+    except Exception as e:
+        return f"{os.path.join(ckpt, 'state.json')} is unreadable ({e})"
+    files = {r: v if isinstance(v, list) else [v, None] for r, v in files.items()}  # sizes only:
+    found = [x for part in all_gather(_checked(ckpt, files)) for x in part]      # before CRCs
+    return "; ".join(x for x in found if isinstance(x, str)) or None
+
+
 def resume(out: str, config: dict, may_change: set) -> tuple[str, dict] | tuple[None, None]:
     """(folder, state without its config) of the newest sound checkpoint in out, or (None, None). A
-    damaged one (a file missing or cut short) is reported and the one before it used. Refuses one
-    whose saved config differs from `config` in a setting outside may_change (it would mix runs)."""
-    ckpts, damaged = ckpt_dirs(out), []
+    damaged one (a file missing, cut short or changed: every file's size and CRC-32 are checked,
+    each rank reading its share) is reported, set aside and the one before used. Refuses one whose
+    saved config differs from `config` in a setting outside may_change (it would mix runs)."""
+    ckpts, damaged = on_rank0(ckpt_dirs, out), []
     while ckpts and (damage := _damage(ckpts[-1])):
         damaged.append(damage)
         bad = ckpts.pop()
-        dist.barrier()   # all ranks looked before rank 0 moves it aside (kept, for a post-mortem)
-        if rank0():
-            set_aside(bad)
-            if ckpts:
-                print(f"resume: {damage}; resuming from {ckpts[-1]} instead", file=sys.stderr,
-                      flush=True)
+        on_rank0(set_aside, bad)   # kept, for a post-mortem
+        if ckpts:
+            print0(f"resume: {damage}; resuming from {ckpts[-1]} instead", file=sys.stderr)
     if damaged and not ckpts:
         raise RuntimeError(f"no sound checkpoint in {out}/ckpt ({'; '.join(damaged)}); "
                            "move it away to start over")
     if not ckpts:
         return None, None
-    with open(os.path.join(ckpts[-1], "state.json")) as f:
-        state = json.load(f)
+    state = on_rank0(data.read_json, os.path.join(ckpts[-1], "state.json"))
     diff = {k: (v, config.get(k)) for k, v in state["config"].items()
             if k not in may_change and config.get(k) != v}
     if diff:
@@ -704,12 +867,34 @@ def resume(out: str, config: dict, may_change: set) -> tuple[str, dict] | tuple[
     return ckpts[-1], {k: v for k, v in state.items() if k not in ("config", "files")}
 
 
+def restore_rows(out: str, ckpt: str | None, names, quiet: bool = False) -> None:
+    """(rank 0) each jsonl `names` in out becomes the copy checkpoint `ckpt` committed (rows/; empty
+    without a checkpoint), in one rename: what a kill, a cut line or a garbage line left is never
+    trusted. Unless quiet, a file that differed is reported."""
+    if not rank0():
+        return
+    for name in names:
+        path, src = os.path.join(out, name), os.path.join(ckpt or "", "rows", name)
+        want = open(src, encoding="utf-8").read() if ckpt and os.path.exists(src) else ""
+        have = open(path, encoding="utf-8", errors="replace").read() \
+            if os.path.exists(path) else None
+        if have != want:
+            data.write_text(path, want)
+            if have and not quiet:
+                print(f"resume: {path} differed from what {ckpt or 'no checkpoint'} committed "
+                      f"({have.count(chr(10))} lines, {want.count(chr(10))} committed): rewritten "
+                      "from it", file=sys.stderr, flush=True)
+
+
 # -----------------------------------------------------------------------------
 # run plumbing: seeds, timers, flags
 
 def rank0() -> bool:
     """Does this rank print and write the run's shared files? (before init: torchrun's RANK)"""
     return dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK", "0") == "0"
+
+
+BYTES = ((1e9, "GB"), (1e6, "MB"))   # readable()'s units for sizes
 
 
 def readable(x: float, units=((1e9, "B"), (1e6, "M"))) -> str:
@@ -721,16 +906,6 @@ def readable(x: float, units=((1e9, "B"), (1e6, "M"))) -> str:
 def print0(*args, **kwargs) -> None:
     if rank0():
         print(*args, **{"flush": True, **kwargs})
-
-
-def reset_rows(folder: str, files: dict[str, list[dict]], steps: int) -> None:
-    """On (re)start, rank 0: each jsonl of `files` in folder keeps its rows of steps < `steps` (a
-    run killed before a step's checkpoint landed may have logged more) and gets its given rows
-    appended (the checkpoint's copy of its last step's rows, which a kill may have cut short)."""
-    if rank0():
-        for name, rows in files.items():
-            data.truncate_jsonl(os.path.join(folder, name), steps)
-            data.append_jsonl(os.path.join(folder, name), rows)
 
 
 def seed_of(seed: int, *keys) -> int:
@@ -802,6 +977,12 @@ def config_parser(cls, preset: dict, **kwargs) -> argparse.ArgumentParser:
     return p
 
 
+def too_small(cfg, least: dict) -> list[str]:
+    """what is wrong with cfg's counts: `least` maps a least value to the flags it bounds"""
+    return [f"--{f} {getattr(cfg, f)}: need at least {m}" for m, fs in least.items() for f in fs
+            if getattr(cfg, f) < m]
+
+
 def config_from(cls, args: dict, preset: dict):
     """An instance of `cls`: the flags given, else (without --model: the built-in world) the preset,
     else the field defaults (with --model: the paper's settings)."""
@@ -813,13 +994,13 @@ def config_from(cls, args: dict, preset: dict):
 
 @contextmanager
 def clean_exit(script: str):
-    """Around a script's main: a RuntimeError or ValueError ends the run with a one-line message on
-    rank 0 and exit code 1, and so does a SystemExit("message") (the other ranks exit 1 silently).
-    The engines shut down before the process group goes (their shutdown tears down vLLM's groups,
-    the default one too; left to the interpreter's exit, it fails)."""
+    """Around a script's main: a RuntimeError, ValueError or OSError ends the run with a one-line
+    message on rank 0 and exit code 1, and so does a SystemExit("message") (the other ranks exit 1
+    silently). The engines shut down before the process group goes (their shutdown tears down
+    vLLM's groups, the default one too; left to the interpreter's exit, it fails)."""
     try:
         yield
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, OSError) as e:
         print0(f"{script}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except SystemExit as e:

@@ -22,6 +22,7 @@ import dataclasses
 import os
 import random
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -84,6 +85,10 @@ OPENSIR_BAND = (0.1, 0.9)   # calibrated: the baseline student's solve rate is i
 OPENSIR_DIVERSITY = 0.5     # weight of novelty, 1 - max cosine similarity to an archived question
 OPENSIR_ARCHIVE = 1024      # novelty compares to the teacher's latest valid questions (past steps)
 
+COUNTS = {1: ("outer_steps", "dataset_size", "window", "learnability_samples", "save_every",
+              "max_rejection_rounds", "inner_steps", "student_questions", "teacher_max_tokens",
+              "student_max_tokens"),
+          0: ("inner_step_inc", "inner_step_cap", "student_groups")}   # flags' least values (check)
 OUTPUTS = ("metrics.jsonl", "pq.jsonl", "questions.jsonl")   # the rows a step commits (commit_step)
 # settings a resumed run may change without invalidating its checkpoint
 MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpointing",
@@ -93,8 +98,9 @@ MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpoint
 def parse_args(argv=None) -> Config:
     p = rloo.config_parser(Config, world.PRESET, description=__doc__)
     cfg = rloo.config_from(Config, vars(p.parse_args(argv)), world.PRESET)
-    if cfg.reward not in TEACHER_REWARDS:
-        p.error(f"--reward must be one of {', '.join(TEACHER_REWARDS)}, not {cfg.reward!r}")
+    if cfg.reward not in TEACHER_REWARDS:   # (rank 0 says it; the others exit)
+        (p.error if rloo.rank0() else lambda _: sys.exit(2))(
+            f"--reward must be one of {', '.join(TEACHER_REWARDS)}, not {cfg.reward!r}")
     return cfg
 
 
@@ -168,6 +174,8 @@ def main(cfg: Config):
     run = setup(cfg)           # ranks, meshes, engine, teacher, student, theta; None if finished
     if run is None:
         return
+    if run.state["step"] >= cfg.outer_steps:   # finished, killed while writing teacher/, student/
+        return save_hf(cfg, run, run.state)
     state, theta, g, n = run.state, run.theta, cfg.num_datasets, cfg.dataset_size
     prompt, pq_path, first_step = (data.teacher_prompt(run.tok), os.path.join(cfg.out, "pq.jsonl"),
                                    state["step"])
@@ -216,10 +224,12 @@ def main(cfg: Config):
             rows = rloo.my_share([(s, adv[i // n]) for i, (s, _) in enumerate(kept)])
             stats = rloo.train_step(run.teacher, [s.prompt_token_ids for s, _ in rows],
                                     [s.token_ids for s, _ in rows], [a for _, a in rows],
-                                    loss=rloo.rloo_loss, micro_batch_tokens=cfg.micro_batch_tokens)
+                                    loss=rloo.rloo_loss, temperature=cfg.temperature,
+                                    micro_batch_tokens=cfg.micro_batch_tokens)
         state["step"] = step + 1
-        row = dict(step=step, acc0=acc0, R=R, R_k=R_k, reward=reward, ma=ma, promoted=bool(chosen),
-                   promoted_k=chosen[0] if chosen else None,
+        acc0_groups = rloo.all_gather(acc0)[::run.mesh["fsdp"].size()]   # group 0's is acc0
+        row = dict(step=step, acc0=acc0, acc0_groups=acc0_groups, R=R, R_k=R_k, reward=reward,
+                   ma=ma, promoted=bool(chosen), promoted_k=chosen[0] if chosen else None,
                    promoted_j=chosen[1] if chosen else None, promotions=state["promotions"],
                    inner_steps=S, teacher_valid_rate=len(kept) / sampled, teacher_samples=sampled,
                    teacher_loss=stats["loss"], teacher_kl=stats["kl"], snapshots=held,
@@ -366,23 +376,17 @@ def student_groups(cfg: Config, world_size: int) -> int:
 def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
     """What in the settings cannot work, each naming its flag (layout: METHOD.md "Scale layout")."""
     students, G = cfg.num_datasets * cfg.students, student_groups(cfg, world_size)
-    return [msg for bad, msg in [
-        (cfg.outer_steps < 1, f"--outer_steps {cfg.outer_steps}: need at least 1"),
+    return rloo.too_small(cfg, COUNTS) + [msg for bad, msg in [
         (cfg.num_datasets < 2, f"--num_datasets {cfg.num_datasets}: RLOO over datasets "
                                "needs g >= 2"),
-        (cfg.dataset_size < 1, f"--dataset_size {cfg.dataset_size}: a dataset needs n >= 1 pairs"),
         (TEACHER_REWARDS[cfg.reward].promotes and cfg.students < 1,
          f"--students {cfg.students}: need r >= 1 per dataset"),
         (not 1 <= cfg.qr_size <= n_hard, f"--qr_size {cfg.qr_size}: each step samples "
                                          f"M={cfg.qr_size} questions from {cfg.train}, "
                                          f"which has {n_hard}"),
-        (cfg.window < 1, f"--window {cfg.window}: the moving average needs at least 1 step"),
-        (cfg.inner_steps < 1, f"--inner_steps {cfg.inner_steps}: a student needs at least 1 step"),
-        (cfg.student_questions < 1, f"--student_questions {cfg.student_questions}: "
-                                    "need at least 1"),
         (cfg.student_samples < 2, f"--student_samples {cfg.student_samples}: RLOO needs at least 2 "
                                   "per question"),
-        (cfg.save_every < 1, f"--save_every {cfg.save_every}: need at least 1"),
+        (cfg.temperature <= 0, f"--temperature {cfg.temperature}: training needs T > 0"),
         (0 < students < G, f"--student_groups {G}: more groups than the g*r = {students} students"),
         (world_size % G, f"--student_groups {G} does not divide the {world_size} ranks"),
         (cfg.micro_batch_tokens < seq_len, f"--micro_batch_tokens {cfg.micro_batch_tokens} is less "
@@ -393,26 +397,23 @@ def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
 
 def setup(cfg: Config) -> Run | None:
     _, world_size, device = rloo.init_distributed()
+    tok = rloo.tokenizer(cfg.model)
     if not cfg.train:
         raise SystemExit("--train is required with --model: the hard train split "
                          "(jsonl/parquet, question/answer)")
     made = not os.path.exists(cfg.out)   # (then removed again if the settings cannot work)
     rloo.lock_folder(cfg.out)   # one run per folder: a second one is refused at once
-    hard = data.load_problems(cfg.train)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(cfg.model)
+    hard = rloo.on_rank0(data.load_problems, cfg.train)   # one list: drops rest on timeouts
     seq_len = rloo.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
                               cfg.teacher_max_tokens)
     if problems := check(cfg, world_size, len(hard), seq_len):
         if made and rloo.rank0():
             shutil.rmtree(cfg.out)
-        raise SystemExit("soar.py: these settings cannot work:\n  " + "\n  ".join(problems))
+        raise SystemExit("soar.py: error: these settings cannot work:\n  " + "\n  ".join(problems))
     ckpt, state = rloo.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
-    state = state or dict(step=0, history=[], promotions=0, pq=0, rows={}, archive=[])
-    # the files hold exactly the committed steps, the last one's rows from the checkpoint
-    rloo.reset_rows(cfg.out, {name: state["rows"].get(name, []) for name in OUTPUTS},
-                    max(0, state["step"] - 1))
-    if state["step"] >= cfg.outer_steps:
+    state = state or dict(step=0, history=[], promotions=0, pq=0, archive=[])
+    rloo.restore_rows(cfg.out, ckpt, OUTPUTS)   # the files hold exactly the committed steps
+    if state["step"] >= cfg.outer_steps and not rloo.on_rank0(rloo.hf_behind, cfg.out, state):
         rloo.print0(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
         return None
 
@@ -431,7 +432,7 @@ def setup(cfg: Config) -> Run | None:
         rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
         rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta: weights
     n_params = sum(p.numel() for p in teacher.model.parameters())
-    size = lambda n_bytes: rloo.readable(n_bytes, ((1e9, "GB"), (1e6, "MB")))  # noqa: E731
+    size = lambda n_bytes: rloo.readable(n_bytes, rloo.BYTES)  # noqa: E731
     rloo.print0(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model "
                 f"{cfg.model} ({rloo.readable(n_params)} parameters); out {cfg.out}; "
                 f"{'resuming at' if ckpt else 'starting at'} step {state['step']} of "
@@ -439,6 +440,9 @@ def setup(cfg: Config) -> Run | None:
                 f"(teacher fp32 weights + AdamW; the student's {size(4 * n_params)} of "
                 f"weights only after a promotion), HF folders "
                 f"{size(n_params * teacher.save_dtype.itemsize)} each every {cfg.save_every} steps")
+    if rloo.rank0() and (free := shutil.disk_usage(cfg.out).free) < 32 * n_params:
+        print(f"soar.py: warning: {size(free)} free in {cfg.out}, less than two checkpoints "
+              f"({size(32 * n_params)}): a save may fail", file=sys.stderr)
     return Run(mesh, tok, llm, teacher, student, rloo.snapshot(student), hard, state, n_params)
 
 
@@ -460,25 +464,24 @@ def counts(cfg: Config, run: Run) -> dict:
 
 def commit_step(cfg: Config, run: Run, state: dict, theta, rows: dict, promoted: bool) -> None:
     """Nothing in --out gets ahead of the checkpoint: first the checkpoint, which commits the step
-    and holds its new rows; then those rows go into the OUTPUTS files (a resume puts back any a kill
-    left out); then, every save_every steps and at the end, the HF folders teacher/ and student/
-    (student/ only when theta changed since it was written)."""
-    state["rows"] = rows
+    with its rows (the OUTPUTS files are then rewritten from it); then, every save_every steps and
+    at the end, the HF folders teacher/ and student/."""
     rloo.restore(run.student, theta)   # checkpoint and outputs hold theta, not the last student
     rloo.save_checkpoint(cfg.out, state["step"],
                          {"teacher": (run.teacher, True), "student": (run.student, False)},
                          {**state, "config": dataclasses.asdict(cfg)},
-                         unchanged=() if promoted else ("student",))
-    if rloo.rank0():
-        for name, new in rows.items():
-            data.append_jsonl(os.path.join(cfg.out, name), new)
-    if state["step"] % cfg.save_every and state["step"] < cfg.outer_steps:
-        return
-    tag = {"step": state["step"], "promotions": state["promotions"]}   # soar.json: what it holds
+                         unchanged=() if promoted else ("student",), rows=rows)
+    if state["step"] % cfg.save_every == 0 or state["step"] >= cfg.outer_steps:
+        save_hf(cfg, run, state)
+
+
+def save_hf(cfg: Config, run: Run, state: dict) -> None:
+    """teacher/ and (when theta changed since it was written) student/, with soar.json saying what
+    they hold; the student's weights must be theta"""
+    tag = {"step": state["step"], "promotions": state["promotions"]}
     rloo.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok, state["step"],
                  {"soar.json": tag})
-    marker = os.path.join(cfg.out, "student", "soar.json")
-    if not os.path.exists(marker) or data.read_json(marker)["promotions"] != state["promotions"]:
+    if rloo.on_rank0(rloo.hf_behind, cfg.out, state, ("student",)):
         rloo.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok, state["step"],
                      {"soar.json": tag})
 

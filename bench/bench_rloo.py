@@ -143,7 +143,7 @@ def main():
     adv = torch.randn(rollouts, generator=g).tolist()
     lo, hi = rloo.chunk(rollouts, rank, world)
     step = lambda: rloo.train_step(pol, prm[lo:hi], comps[lo:hi], adv[lo:hi],  # noqa: E731
-                                   loss=rloo.rloo_loss, micro_batch_tokens=mbt)
+                                   loss=rloo.rloo_loss, temperature=1.0, micro_batch_tokens=mbt)
     timed(step, dev)   # warm-up (allocator, optimizer state)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -27,7 +27,7 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% if date_string is not defined %}"
 def train_step(*args, **kwargs):
     """rloo.train_step with the loss of the teacher and the students"""
     import rloo
-    return rloo.train_step(*args, loss=rloo.rloo_loss, **kwargs)
+    return rloo.train_step(*args, loss=rloo.rloo_loss, temperature=1.0, **kwargs)
 
 
 def make_tiny_model(path: str, seed: int = 0, vocab: int = 320):
@@ -124,7 +124,8 @@ def main(out, base, ref):
 
     rank, world, dev = rloo.init_distributed()
     rloo.LOGIT_CHUNK_TOKENS = 16   # several vocab-head chunks per micro-batch (token_logprobs)
-    llm = rloo.build_engine(base, max_model_len=1024)
+    # processed: the sampled tokens' logprobs at the sampling temperature (the training check)
+    llm = rloo.build_engine(base, max_model_len=1024, logprobs_mode="processed_logprobs")
     mesh = init_device_mesh("cpu", (world,))
     W = dist.group.WORLD
     res["world"] = world
@@ -192,6 +193,22 @@ def main(out, base, ref):
     eng = engine_prompt_logprobs(llm, seqs)
     res["sync_err"] = max(abs(tr[i, t].item() - e)
                           for i, row in enumerate(eng) for t, e in enumerate(row))
+
+    # --- the trainer's log-probs at the sampling temperature are the engine's (on-policy at T != 1)
+    from vllm import SamplingParams
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]],
+                        SamplingParams(temperature=0.7, logprobs=0, max_tokens=6, seed=3),
+                        use_tqdm=False)
+    for T in (0.7, 1.0):
+        errs = []
+        for p, o in zip(prompts[:4], outs):
+            c = o.outputs[0]
+            s = torch.tensor([p + list(c.token_ids)])
+            with torch.no_grad():
+                lp = rloo.token_logprobs(pol.model, s, torch.ones_like(s), T)[0, len(p) - 1:]
+            errs += [abs(lp[t].item() - c.logprobs[t][tok].logprob)
+                     for t, tok in enumerate(c.token_ids)]
+        res[f"temperature_err_{T}"] = max(errs)
 
     tick("sync")
     # --- snapshot / restore: bit-identical

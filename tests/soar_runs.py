@@ -17,15 +17,15 @@ TIMING = {"teacher_generation", "student_rollouts", "student_training", "evaluat
           "teacher_update", "sync", "total"}
 
 
-def soar(out, *extra, wait=True):
+def soar(out, *extra, wait=True, **popen):
     """soar.py FLAGS extra on `out`: run to the end (a CompletedProcess), or started (a Popen whose
-    pid is torchrun's, in a session of its own)"""
+    pid is torchrun's, in a session of its own); popen: more subprocess arguments"""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(ROOT, "soar.py"), "--out", str(out), *FLAGS, *extra]
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+                                stderr=subprocess.STDOUT, text=True, **popen)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, **popen)
 
 
 def rows(path):

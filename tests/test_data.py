@@ -1,5 +1,8 @@
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -24,8 +27,6 @@ GOOD = "Let me think.\n<question>What is 3 + 4 * 2?</question><answer>\\boxed{11
     # an explanation between the tagged parts (the prompt puts explanations outside the tags)
     ("<question>What is 2^{10}?</question>\nWhy: doubling ten times.\n"
      "<answer>\\boxed{1024}</answer>", ("What is 2^{10}?", "1024")),
-    ("<question>Q?</question> (easy) <question>R?</question><answer>\\boxed{1}</answer>",
-     ("R?", "1")),                                 # the answer's own question, not the first
     (GOOD + GOOD, ("What is 3 + 4 * 2?", "11")),   # the first problem
 ])
 def test_parse_teacher_accepts(text, expected):
@@ -42,6 +43,7 @@ def test_parse_teacher_accepts(text, expected):
     "<question></question><answer>\\boxed{7}</answer>",                 # empty question
     "<question>What?</question><answer>\\boxed{\\frac{}{}}}</answer>",  # unparseable answer
     "<answer>\\boxed{7}</answer><question>What is 3 + 4?</question>",   # answer before question
+    "<question>Q?</question> (easy) <question>R?</question><answer>\\boxed{1}</answer>",  # whose?
 ])
 def test_parse_teacher_rejects(text):
     assert data.parse_teacher_batch([text]) == [None]
@@ -242,3 +244,18 @@ def test_write_jsonl_roundtrip_and_split(tmp_path):
     assert len(qr) == 4 and all(q in train for q in qr) and len(set(map(json.dumps, qr))) == 4
     with pytest.raises(ValueError, match="M=6 .* only 5"):
         data.sample_questions(train, 6, random.Random(0))
+
+
+def test_no_network_is_one_clear_error(tmp_path):
+    """a hub pool, and a --model hub id, on a machine that cannot reach the hub"""
+    code = ("import data, rloo\nfor f, x in ((data.load_problems, 'math'), "
+            "(rloo.tokenizer, 'meta-llama/Llama-3.2-3B-Instruct')):\n"
+            "    try:\n        f(x)\n    except RuntimeError as e:\n        print(e)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)},
+                       timeout=300)
+    said = p.stdout.splitlines()
+    assert said[0].startswith("hub pool math: cannot fetch it (") and "data.py math FILE" in said[0]
+    assert said[1].startswith("--model meta-llama/Llama-3.2-3B-Instruct: neither an HF model "
+                              "folder nor a hub id this machine can reach ("), p.stderr[-2000:]

@@ -199,6 +199,14 @@ def test_pq_subsets_from_the_world_or_labels(tmp_path):
 
 
 # ---- Vendi ----
+def test_filter_counts_keep_their_sound_prefix(tmp_path, capsys):
+    path = tmp_path / "counts.jsonl"
+    path.write_text('{"index": 0, "correct": 3}\n{"index": 1, "correct": 0}\n'
+                    '{"index": 5, "correct": 1}\n{"ind')   # a row out of place, a cut line
+    assert [r["index"] for r in ev.counted(str(path))] == [0, 1]
+    assert path.read_text().count("\n") == 2 and "2 lines from line 3 on" in capsys.readouterr().err
+
+
 def test_vendi_known_cases():
     assert data.vendi(np.ones((6, 4))) == pytest.approx(1.0)
     assert data.vendi(np.eye(7)) == pytest.approx(7.0)

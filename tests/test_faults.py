@@ -1,6 +1,7 @@
 """Fault injection: what a cluster does to a two-day run, done to soar.py on the small built-in
 world (torchrun, 2 ranks, real engines). Every interrupted run must end equal to the uninterrupted
 reference (conftest.full_run): same metrics.jsonl (timings aside), pq.jsonl and questions.jsonl."""
+import json
 import os
 import re
 import subprocess
@@ -10,7 +11,11 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from soar_runs import ROOT, alive, descendants, kill_all, rows, soar, wait_for, without_timing  # noqa: E402
+from soar_runs import (FLAGS, ROOT, alive, descendants, kill_all, rows, soar,  # noqa: E402
+                       wait_for, without_timing)
+
+
+OURS = re.compile(r'File ".*/(soar|rloo|data|world|eval)\.py"')   # a traceback line of ours
 
 
 def same_as_reference(out, full_run):
@@ -48,33 +53,100 @@ def test_killed_runs_resume_to_the_same_result(killed_three_times, full_run):
 
 
 def test_damaged_checkpoint_falls_back_to_the_one_before(killed_three_times, full_run):
+    """4 KiB flipped in one teacher shard (its size unchanged: the CRC finds it), the other cut
+    short: both are reported, step 3 is set aside, the run resumes from step 2"""
     out, _ = killed_three_times
-    shard = max((out / "ckpt" / "step-3" / "teacher").glob("*.distcp"), key=os.path.getsize)
-    with open(shard, "r+b") as f:
-        f.truncate(os.path.getsize(shard) // 2)
+    flipped, cut = sorted((out / "ckpt" / "step-3" / "teacher").glob("*.distcp"))
+    size = os.path.getsize(flipped)
+    with open(flipped, "r+b") as f:
+        f.seek(size // 2)
+        block = f.read(4096)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xFF for b in block))
+    assert os.path.getsize(flipped) == size
+    with open(cut, "r+b") as f:
+        f.truncate(os.path.getsize(cut) // 2)
+    cut_size = os.path.getsize(cut)
     p = soar(out)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert str(shard) in p.stderr and f"resuming from {out / 'ckpt' / 'step-2'}" in p.stderr
+    assert f"{flipped} has changed since it was written (CRC-32" in p.stderr
+    assert f"{cut} is {cut_size} bytes" in p.stderr
+    assert f"resuming from {out / 'ckpt' / 'step-2'}" in p.stderr
     assert "resuming at step 2" in p.stdout
     assert (out / "ckpt" / "step-3.damaged").is_dir()                  # kept aside, not used again
     same_as_reference(out, full_run)
 
 
-def test_rows_cut_short_come_back_from_the_checkpoint(full_run, tmp_path):
-    """a kill in the middle of appending the last step's rows: the resume (here of a finished run,
-    which then has nothing to do) rewrites them from what the checkpoint committed"""
+def test_rows_cut_short_or_garbled_come_back_from_the_checkpoint(full_run, tmp_path):
+    """a kill in the middle of writing rows, or a garbage line: the resume (here of a finished run,
+    which then has nothing to do) rewrites every file from what the checkpoint committed, and says
+    so; then HF folders behind the checkpoint"""
     import shutil
     ref, _ = full_run
     out = tmp_path / "c"
     shutil.copytree(ref, out, symlinks=True)
     lines = (out / "questions.jsonl").read_text().splitlines(keepends=True)
-    # the last step's append cut after 3 of 8 rows
-    (out / "questions.jsonl").write_text("".join(lines[:-5]))
+    (out / "questions.jsonl").write_text("".join(lines[:-5]) + lines[-5][:20])   # a cut line
     (out / "metrics.jsonl").write_text(
         "".join((ref / "metrics.jsonl").read_text().splitlines(keepends=True)[:-1]))
+    with open(out / "pq.jsonl", "a") as f:
+        f.write("\x00\x17 garbage {\n")
     p = soar(out)
     assert p.returncode == 0 and "nothing to do" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    for name in ("questions.jsonl", "metrics.jsonl", "pq.jsonl"):
+        assert f"resume: {out / name} differed from what {out / 'ckpt' / 'step-3'} committed" \
+            in p.stderr
     same_as_reference(out, full_run)
+    # killed while writing the HF folders at the end: teacher/ still holds step 2; the rerun
+    # rewrites it (eval.py would refuse it meanwhile: rloo.hf_behind)
+    tag = json.loads((out / "teacher" / "soar.json").read_text())
+    (out / "teacher" / "soar.json").write_text(json.dumps({**tag, "step": 2}))
+    p = soar(out)
+    assert p.returncode == 0 and "nothing to do" not in p.stdout, p.stderr[-3000:]
+    assert json.loads((out / "teacher" / "soar.json").read_text()) == tag
+    same_as_reference(out, full_run)
+
+
+def test_a_full_disk_ends_in_one_line_and_the_rerun_resumes_on_two_nodes(full_run, tmp_path):
+    """files capped at 1 MB (RLIMIT_FSIZE: no root needed), smaller than a teacher shard: the first
+    checkpoint cannot be written. One line names it and the space; no .tmp stays. The rerun, with
+    room, on two launchers of one rank each (two simulated nodes: c10d rendezvous on localhost),
+    ends equal to the 2-rank reference"""
+    import resource
+    out = tmp_path / "d"
+    cap = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # noqa: E731
+    p = soar(out, preexec_fn=cap)
+    assert p.returncode != 0
+    line = f"soar.py: error: cannot write the checkpoint {out / 'ckpt' / 'step-1.tmp'} ("
+    assert line in p.stderr and "B are free there" in p.stderr, p.stderr[-3000:]
+    assert p.stderr.count("soar.py: error:") == 1 and not OURS.search(p.stderr)
+    assert not (out / "ckpt" / "step-1.tmp").exists()
+    port = str(29500 + os.getpid() % 1000)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+              "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+              "two-nodes", os.path.join(ROOT, "soar.py"), "--out", str(out), *FLAGS]
+    nodes = [subprocess.Popen(launch, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    logs = [n.communicate(timeout=900)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "SOAR: 2 ranks, 2 student groups of 1" in "".join(logs)
+    same_as_reference(out, full_run)
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--students", "0", "--qr_size", "0", "--inner_steps", "0"],
+     ["--students 0: need r >= 1", "--qr_size 0: each step samples", "--inner_steps 0: need at"]),
+    (["--model", "/no/such/model"], ["--model /no/such/model: neither an HF model folder nor"]),
+    (["--out", "/sys/soar"], ["/sys/soar: cannot write there"]),
+])
+def test_bad_input_ends_in_one_line(flags, says, tmp_path):
+    out = tmp_path / "e"
+    p = soar(out, *flags)
+    assert p.returncode != 0
+    assert p.stderr.count("soar.py: error:") == 1, p.stderr[-3000:]    # rank 0 alone says it
+    assert all(s in p.stderr for s in says), p.stderr[-3000:]
+    assert not OURS.search(p.stderr)                                   # no traceback of ours
+    assert not out.exists()                                            # nothing left behind
 
 
 def test_one_run_per_folder_and_ranks_die_with_their_launcher(full_run, tmp_path):
@@ -105,10 +177,15 @@ def test_one_run_per_folder_and_ranks_die_with_their_launcher(full_run, tmp_path
     same_as_reference(out, full_run)
 
 
-def test_lock_folder_refuses_a_second_holder_and_frees_with_the_first(tmp_path):
-    """the lock eval.py takes on each run folder (rloo.lock_folder), outside any SOAR run"""
+@pytest.mark.parametrize("flock", [True, False])
+def test_lock_folder_refuses_a_second_holder_and_frees_with_the_first(flock, tmp_path):
+    """the lock eval.py takes on each run folder (rloo.lock_folder), outside any SOAR run; without
+    flock (some NFS, FUSE mounts) a .lock.pid file, taken over once its holder is dead"""
     take = ("import sys, time, rloo; rloo.init_distributed(); rloo.lock_folder(sys.argv[1]); "
             "print('locked', flush=True); time.sleep(600)")
+    if not flock:
+        take = ("import errno, fcntl\ndef no(*a): raise OSError(errno.ENOLCK, 'No locks')\n"
+                "fcntl.flock = no\n" + take)
     env = dict(os.environ, PYTHONPATH=ROOT)
     first = subprocess.Popen([sys.executable, "-c", take, str(tmp_path)], env=env,
                              stdout=subprocess.PIPE, text=True)

@@ -109,6 +109,13 @@ def test_weight_sync_exact(runs):
         assert r["sync_err"] < 1e-4
 
 
+def test_training_logprobs_at_the_sampling_temperature(runs):
+    """what vLLM sampled at T = 0.7, scored by the trainer at 0.7, has the engine's log-probs (at 1
+    they would be off by far more: the check can fail)"""
+    for r in [runs["one"], *runs["two"]]:
+        assert r["temperature_err_0.7"] < 1e-4 < 1e-2 < r["temperature_err_1.0"]
+
+
 def test_generate(runs):
     one, (r0, r1) = runs["one"], runs["two"]
     tok = runs["tok"]

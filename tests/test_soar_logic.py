@@ -116,13 +116,38 @@ def test_seeds_are_stable_and_distinct():
     assert len({rloo.seed_of(3, s, "student", k) for s in range(20) for k in range(4)}) == 80
 
 
-def test_truncate_jsonl_drops_uncommitted_steps_and_creates_missing(tmp_path):
-    path = str(tmp_path / "pq.jsonl")
-    data.truncate_jsonl(path, 0)   # a fresh run: an empty pq.jsonl exists before any promotion
-    assert open(path).read() == ""
-    data.append_jsonl(path, [{"step": s, "question": f"q{s}"} for s in range(4)])
-    data.truncate_jsonl(path, 2)   # resuming at step 2: rows of steps 2 and 3 were never committed
-    assert [json.loads(x)["step"] for x in open(path)] == [0, 1]
+def test_restore_rows_puts_back_what_the_checkpoint_committed(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt" / "step-2"
+    (ckpt / "rows").mkdir(parents=True)
+    committed = "".join(json.dumps({"step": s}) + "\n" for s in range(2))
+    (ckpt / "rows" / "metrics.jsonl").write_text(committed)
+    (ckpt / "rows" / "pq.jsonl").write_text("")
+    (tmp_path / "metrics.jsonl").write_text(committed + '{"step": 2}\n{"st')   # uncommitted, cut
+    (tmp_path / "pq.jsonl").write_text("\x00 garbage\n")
+    names = ["metrics.jsonl", "pq.jsonl", "questions.jsonl"]
+    rloo.restore_rows(str(tmp_path), str(ckpt), names)
+    assert [(tmp_path / n).read_text() for n in names] == [committed, "", ""]
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'metrics.jsonl'} differed from what {ckpt} committed (3 lines, 2 " \
+        "committed)" in err
+    assert "pq.jsonl differed" in err and "questions.jsonl" not in err   # it was only missing
+    rloo.restore_rows(str(tmp_path), None, names)   # no checkpoint: a fresh start, empty files
+    assert [(tmp_path / n).read_text() for n in names] == ["", "", ""]
+
+
+def test_hf_folders_behind_their_checkpoint(tmp_path):
+    (tmp_path / "ckpt" / "step-3").mkdir(parents=True)
+    data.write_json(str(tmp_path / "ckpt" / "step-3" / "state.json"), {"step": 3, "promotions": 1})
+    tag = lambda name, step, promotions: data.write_json(  # noqa: E731
+        str(tmp_path / name / "soar.json"), {"step": step, "promotions": promotions})
+    tag("teacher", 3, 1)
+    tag("student", 1, 1)   # written at the promotion of step 1, unchanged since: current
+    assert rloo.hf_behind(str(tmp_path)) == []
+    tag("teacher", 2, 1)
+    tag("student", 1, 0)
+    assert rloo.hf_behind(str(tmp_path)) == [f"{tmp_path / 'teacher'} (step 2, the checkpoint's 3)",
+                                             f"{tmp_path / 'student'} (step 1, the checkpoint's 3)"]
+    assert rloo.hf_behind(str(tmp_path), {"step": 2, "promotions": 0}, ["student"]) == []
 
 
 def test_parse_args_world_preset_and_overrides():
