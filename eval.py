@@ -91,6 +91,7 @@ class Config:
     micro_batch_tokens: int = 16384  # tokens per forward/backward pass (rows x longest row)
     activation_checkpointing: bool = True   # recompute activations: a 3B student fits beside vLLM
     gpu_memory_utilization: float = 0.3     # the vLLM engine's share of GPU memory
+    verbose: bool = False       # keep vLLM's warnings and load bars on the console
 
 
 COUNTS = {2: ("student_samples", "big_group"),   # the least values of count flags
@@ -101,7 +102,7 @@ KS = (1, 4, 8, 16, 32)
 LEEPS_WINDOW = 20       # steps over which each portfolio's share of non-trivial groups is measured
 LEEPS_NEIGHBOURS = 8    # nearest neighbours whose outcomes rank an explore question
 MAY_CHANGE = {"runs", "out", "seeds", "ckpt_every", "micro_batch_tokens",
-              "activation_checkpointing", "gpu_memory_utilization"}  # resumed runs may change these
+              "activation_checkpointing", "gpu_memory_utilization", "verbose"}  # resumes may change
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,7 +483,8 @@ def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False,
         raise SystemExit(f"eval.py: error: --micro_batch_tokens {cfg.micro_batch_tokens} is less "
                          f"than one sequence (prompt + completion: up to {seq_len} tokens)")
     llm = rloo.build_engine(cfg.model, seed=seeds(cfg)[0], max_model_len=seq_len,
-                            gpu_memory_utilization=engine_share or cfg.gpu_memory_utilization)
+                            gpu_memory_utilization=engine_share or cfg.gpu_memory_utilization,
+                            verbose=cfg.verbose)
     return mesh, tok, llm
 
 

@@ -24,6 +24,7 @@ import shutil
 import socket
 import sys
 import time
+import warnings
 import zlib
 from collections import defaultdict
 from contextlib import contextmanager
@@ -195,10 +196,17 @@ def split_map(fn, items: list, group=None) -> list:
 # sampling
 
 def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
-                 gpu_memory_utilization: float = 0.3, **engine_args):
+                 gpu_memory_utilization: float = 0.3, verbose: bool = False, **engine_args):
     """One engine per rank, built ONCE (all ranks at the same time: vLLM makes groups) and
-    reused for every model the rank serves; weights change only through sync_weights."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # else an INFO line per weight sync
+    reused for every model the rank serves; weights change only through sync_weights. Unless
+    `verbose`, vLLM's warnings and load bars stay off the console (each silenced below)."""
+    # INFO: a line per weight sync. WARNING, on every start: libtcmalloc / libiomp not preloaded,
+    # "Triton is installed, but doesn't include CPU backend", set_num_threads after thread binding
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if verbose else "ERROR")
+    if not verbose:   # vLLM's Triton dispatcher reads the deprecated torch.distributed.reduce_op
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated")
+        # ... and its Triton check warns before vLLM's log level applies
+        logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
     from vllm import LLM
     cpu = not torch.cuda.is_available()
     if cpu:
@@ -215,7 +223,8 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
               # CPU: a chunked prefill of a seeded request crashes vLLM 0.32's CPU runner
               # ("CPU Generator does not use offset"); batches past 4096 prompt tokens chunk
               enable_chunked_prefill=not cpu,
-              max_num_batched_tokens=max(4096, max_model_len) if cpu else None, **engine_args)
+              max_num_batched_tokens=max(4096, max_model_len) if cpu else None,
+              use_tqdm_on_load=verbose, **engine_args)   # "Loading safetensors checkpoint shards"
     # the rotary cos/sin cache is not in HF checkpoints, so every reload warns that it kept the
     # engine's own copy, which is right (set after LLM(): vLLM configures its loggers there)
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)

@@ -78,6 +78,7 @@ class Config:
     activation_checkpointing: bool = True   # recompute activations: a 3B student fits beside vLLM
     gpu_memory_utilization: float = 0.3     # the vLLM engine's share of GPU memory
     save_every: int = 10        # write HF teacher/, student/ every this many steps and at the end
+    verbose: bool = False       # keep vLLM's warnings and load bars on the console
 
 
 # the OpenSIR-style teacher reward (METHOD.md "OpenSIR-style reward")
@@ -92,7 +93,7 @@ COUNTS = {1: ("outer_steps", "dataset_size", "window", "learnability_samples", "
 OUTPUTS = ("metrics.jsonl", "pq.jsonl", "questions.jsonl")   # the rows a step commits (commit_step)
 # settings a resumed run may change without invalidating its checkpoint
 MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpointing",
-              "gpu_memory_utilization", "save_every"}
+              "gpu_memory_utilization", "save_every", "verbose"}
 
 
 def parse_args(argv=None) -> Config:
@@ -420,7 +421,7 @@ def setup(cfg: Config) -> Run | None:
     G = student_groups(cfg, world_size)
     mesh = init_device_mesh(device.type, (G, world_size // G), mesh_dim_names=("group", "fsdp"))
     teacher_mesh = init_device_mesh(device.type, (world_size,))
-    llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len,
+    llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len, verbose=cfg.verbose,
                             gpu_memory_utilization=cfg.gpu_memory_utilization)
     teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr, kl_coef=cfg.kl_coef,
                                total_steps=cfg.outer_steps, warmup_steps=cfg.teacher_warmup,

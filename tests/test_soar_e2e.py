@@ -70,6 +70,9 @@ def test_outputs_are_consistent(full_run):
         assert json.loads((out / name / "soar.json").read_text()) == {"step": 3, "promotions": 3}
     log = full_run[1].stdout
     assert "written per step: checkpoint" in log and "HF folders" in log
+    ours = re.compile(r"(built-in world \(small\): fingerprint|SOAR: 2 ranks|written per step: "
+                      r"|step \d/3  reward|done: )")
+    assert all(ours.match(line) for line in log.splitlines()), log   # no vLLM nor torch line
     assert re.search(r"step 3/3  reward [+-]\d\.\d{3}  MA [+-]\d\.\d{3}  promotions 3  "
                      r"valid \d+%  \d+ s", log)
     base = AutoModelForCausalLM.from_pretrained(state["config"]["model"]).state_dict()
