@@ -320,6 +320,11 @@ def _from_hub(name: str) -> list[dict]:
             for r in rows]  # olympiad: final_answer is a list of LaTeX strings
 
 
+def first_line(e: BaseException) -> str:
+    """an error's message for a one-line report: its first line, at most 200 characters"""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
 def read_harp_zip(file) -> list[dict]:
     """The HARP release: a zip (path or file object) holding HARP.jsonl (problem/answer fields)."""
     with zipfile.ZipFile(file) as z:
@@ -337,8 +342,7 @@ def load_problems(source: str) -> list[dict]:
         try:
             rows = _from_hub(source)
         except OSError as e:   # no network, no such file on the hub (requests' errors are OSErrors)
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise RuntimeError(f"hub pool {source}: cannot fetch it ({why}); on a "
+            raise RuntimeError(f"hub pool {source}: cannot fetch it ({first_line(e)}); on a "
                                f"machine with network, `python data.py {source} FILE` saves it "
                                "as a file to pass instead") from None
         kept = [r for r in rows if r["question"].strip() and r["answer"].strip()]

@@ -267,7 +267,7 @@ def tokenizer(model: str):
         return AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as e:
         raise RuntimeError(f"--model {model}: neither an HF model folder nor a hub id this machine "
-                           f"can reach ({str(e).strip().splitlines()[0][:200]})") from None
+                           f"can reach ({data.first_line(e)})") from None
 
 
 def engine_len(tok, questions: list[str], student_max_tokens: int,
@@ -819,7 +819,7 @@ def save_checkpoint(out: str, step: int, policies: dict, state: dict, unchanged:
         errs = [e, *[f[0] if isinstance(f, tuple) else f   # dcp's: each rank's (error, trace)
                      for f in getattr(e, "failures", {}).values()]]
         why = next((x.strerror for x in errs if isinstance(x, OSError) and x.strerror), None) \
-            or (str(errs[-1]).strip().splitlines() or [type(errs[-1]).__name__])[0][:200]
+            or data.first_line(errs[-1])
         need = sum((12 if opt else 4) * sum(p.numel() for p in policy.model.parameters())
                    for n, (policy, opt) in policies.items() if n not in linked)   # fp32 + AdamW
         free = readable(shutil.disk_usage(out).free, BYTES)
