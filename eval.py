@@ -92,6 +92,9 @@ class Config:
     activation_checkpointing: bool = True   # recompute activations: a 3B student fits beside vLLM
     gpu_memory_utilization: float = 0.3     # the vLLM engine's share of GPU memory
     verbose: bool = False       # keep vLLM's warnings and load bars on the console
+    # ---- tracking ----
+    wandb: str = ""             # W&B project: `row` and `report` log their tables (and plots) there
+    wandb_name: str = ""        # the W&B run's name ("" = W&B picks one)
 
 
 COUNTS = {2: ("student_samples", "big_group"),   # the least values of count flags
@@ -102,7 +105,8 @@ KS = (1, 4, 8, 16, 32)
 LEEPS_WINDOW = 20       # steps over which each portfolio's share of non-trivial groups is measured
 LEEPS_NEIGHBOURS = 8    # nearest neighbours whose outcomes rank an explore question
 MAY_CHANGE = {"runs", "out", "seeds", "ckpt_every", "micro_batch_tokens",
-              "activation_checkpointing", "gpu_memory_utilization", "verbose"}  # resumes may change
+              "activation_checkpointing", "gpu_memory_utilization", "verbose", "wandb",
+              "wandb_name"}   # settings a resumed run may change
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,6 +565,8 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
                 res = train_run(cfg, seed, method, row, synthetic, hard, test, llm, mesh, out)
             rloo.print0(f"{method} seed {seed}: " + "  ".join(f"{k} {100 * v:.1f}%"
                                                               for k, v in res["passk"].items()))
+    log_tables(cfg, [data.read_json(os.path.join(run_dir(cfg, m, s), "result.json"))
+                     for m in methods for s in seeds(cfg) if done(cfg, m, s)])
 
 
 def pq_subset(pq: list[dict], which: str, cfg: Config) -> list[dict]:
@@ -886,8 +892,26 @@ def cmd_report(cfg: Config, args=()) -> str:
                   "![curriculum](curriculum.png)", ""]
     text = "\n".join(lines)
     data.write_text(os.path.join(out, "report.md"), text)
+    log_tables(cfg, results, [os.path.join(out, f) for f in re.findall(r"\]\((\w+\.png)\)", text)])
     print(text)
     return text
+
+
+def log_tables(cfg: Config, results: list[dict], plots=()) -> None:
+    """(rank 0, --wandb) a W&B run of this command: per method a table of its runs' results
+    (pass@k, the step it was read at), and the plots"""
+    if not (cfg.wandb and rloo.rank0()):
+        return
+    wb = rloo.tracker(cfg.wandb, cfg.wandb_name, cfg.out or cfg.runs, dataclasses.asdict(cfg))
+    import wandb   # (loaded by rloo.tracker: only with --wandb)
+    for m in ordered({r["method"] for r in results}):
+        rs = [r for r in results if r["method"] == m]
+        ks = sorted({k for r in rs for k in r["passk"]}, key=lambda k: int(k[5:]))
+        wb.log({m: wandb.Table(columns=["test", "seed", *ks, "step"],
+                               data=[[r["test"], r["seed"], *(r["passk"].get(k) for k in ks),
+                                      r.get("stop_step")] for r in rs])})
+    wb.log({os.path.basename(p).removesuffix(".png"): wandb.Image(p) for p in plots})
+    wb.finish()
 
 
 COMMANDS = {"filter": cmd_filter, "row": cmd_row, "train": lambda cfg, _: cmd_row(cfg, [cfg.name]),

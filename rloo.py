@@ -22,6 +22,7 @@ import random
 import re
 import shutil
 import socket
+import struct
 import sys
 import time
 import warnings
@@ -915,6 +916,52 @@ def readable(x: float, units=((1e9, "B"), (1e6, "M"))) -> str:
 def print0(*args, **kwargs) -> None:
     if rank0():
         print(*args, **{"flush": True, **kwargs})
+
+
+def tracker(project: str, name: str, folder: str, config: dict, run_id: str | None = None):
+    """(rank 0; --wandb PROJECT) a W&B run logging to folder/wandb, with `config` as its config,
+    continuing run `run_id` when given. wandb is imported here only: a run without --wandb never
+    loads it. Silent; WANDB_MODE=offline writes it there without a network (`wandb sync` later)."""
+    import wandb
+    try:
+        return wandb.init(project=project, name=name or None, id=run_id, dir=folder,
+                          config=config, resume="allow" if run_id else None,
+                          settings=wandb.Settings(silent=True, console="off"))  # console: ours
+    except wandb.errors.Error as e:   # no login, no network: one line, before any step
+        raise RuntimeError(f"--wandb {project}: W&B did not start ({data.first_line(e)}); log "
+                           "in (`wandb login`) or set WANDB_MODE=offline") from None
+
+
+def tracked_steps(run, folder: str) -> int:
+    """The first step W&B does not hold of `run` (a tracker's): online, what the resumed run says;
+    offline, where W&B cannot resume (wandb#2423), each process writes an offline run of the id, and
+    what they hold is in their .wandb files. W&B flushes those every 15 s, so a kill loses the last
+    rows it was sent: they are read, not trusted."""
+    if run.settings.mode != "offline":
+        return run.step
+    paths = glob.glob(os.path.join(folder, "wandb", f"offline-run-*-{run.id}", "*.wandb"))
+    return 1 + max((r.history.step.num for p in paths for r in wandb_records(p)
+                    if r.HasField("history")), default=-1)
+
+
+def wandb_records(path: str):
+    """The protobuf Records of a W&B .wandb file, a LevelDB-style log: a 7-byte file header, then
+    32 KiB blocks of records, each behind a 7-byte header (CRC, length, type 1 full, 2 first,
+    3 middle, 4 last). The end a kill cut is left out."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    with open(path, "rb") as f:
+        b = f.read()
+    pos, part = 7, b""
+    while pos + 7 <= len(b):
+        _, n, kind = struct.unpack("<IHB", b[pos:pos + 7])
+        if (left := 32768 - pos % 32768) < 7 or kind == 0 or pos + 7 + n > len(b):
+            pos += left   # a block's padding, or the cut end
+            continue
+        part, pos = part + b[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):
+            (rec := pb.Record()).ParseFromString(part)
+            yield rec
+            part = b""
 
 
 def seed_of(seed: int, *keys) -> int:

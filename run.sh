@@ -3,6 +3,7 @@
 #   ./run.sh [soar.py flags]   set up .venv if needed, then run the main job (soar.py; on a machine
 #                              without GPUs: the built-in small world, end to end)
 #   ./run.sh test [pytest args] set up .venv if needed, then the style check (ruff) and the tests
+#   ./run.sh setup              set up .venv only (soar.sbatch does this first)
 # Set-up installs requirements.txt into .venv once (again only when requirements.txt changes).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -37,10 +38,18 @@ setup() {
 }
 
 setup
+[[ ${1:-} == setup ]] && exit 0
 export PATH="$VENV/bin:$PATH"
 if [[ ${1:-} == test ]]; then
   shift
   ruff check -q . || { echo "[run.sh] style: fix the lines above (ruff, pyproject.toml)"; exit 1; }
   exec python -m pytest -q tests "$@"
 fi
+# the console (README "Outputs"): torch's note on vLLM's CPU NUMA binding (read when torch loads, so
+# set here; --verbose keeps it), and with several ranks the OMP_NUM_THREADS=1 that torchrun would
+# set anyway, without its banner
+if ((GPUS == 0)) && [[ " $* " != *" --verbose "* ]]; then
+  export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
+fi
+if ((GPUS > 1)); then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
 exec torchrun --standalone --nproc_per_node "$((GPUS > 0 ? GPUS : 1))" soar.py "$@"

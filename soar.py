@@ -16,11 +16,13 @@ and take their students in turn. At the paper's settings on 32 GPUs: 16 groups o
 
 Outputs in --out: metrics.jsonl (one line per outer step), pq.jsonl (promotion questions),
 questions.jsonl (every valid pair the teacher wrote, with its step, dataset k and R_k),
-teacher/ and student/ (HF folders of the current teacher and baseline student), ckpt/ (resume).
+teacher/ and student/ (HF folders of the current teacher and baseline student), ckpt/ (resume);
+with --wandb PROJECT, wandb/ (W&B's files) and wandb.json (the W&B run's id).
 """
 import dataclasses
 import os
 import random
+import secrets
 import shutil
 import sys
 import time
@@ -79,6 +81,9 @@ class Config:
     gpu_memory_utilization: float = 0.3     # the vLLM engine's share of GPU memory
     save_every: int = 10        # write HF teacher/, student/ every this many steps and at the end
     verbose: bool = False       # keep vLLM's warnings and load bars on the console
+    # ---- tracking ----
+    wandb: str = ""             # W&B project: log every metrics.jsonl row there ("" = no W&B)
+    wandb_name: str = ""        # the W&B run's name ("" = W&B picks one)
 
 
 # the OpenSIR-style teacher reward (METHOD.md "OpenSIR-style reward")
@@ -93,7 +98,7 @@ COUNTS = {1: ("outer_steps", "dataset_size", "window", "learnability_samples", "
 OUTPUTS = ("metrics.jsonl", "pq.jsonl", "questions.jsonl")   # the rows a step commits (commit_step)
 # settings a resumed run may change without invalidating its checkpoint
 MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpointing",
-              "gpu_memory_utilization", "save_every", "verbose"}
+              "gpu_memory_utilization", "save_every", "verbose", "wandb", "wandb_name"}
 
 
 def parse_args(argv=None) -> Config:
@@ -249,6 +254,8 @@ def main(cfg: Config):
                       f"valid {len(kept) / sampled:.0%}  {row['total']:.0f} s")
     rloo.print0(f"done: {cfg.out}/metrics.jsonl, {pq_path} ({state['pq']} promotion questions), "
                 f"{cfg.out}/teacher, {cfg.out}/student")
+    if run.wandb:
+        run.wandb["run"].finish()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,6 +373,7 @@ class Run:
     hard: list                  # the hard train split
     state: dict                 # what a checkpoint holds besides the weights
     n_params: int
+    wandb: dict                 # rank 0 with --wandb: the W&B run (track); else empty
 
 
 def student_groups(cfg: Config, world_size: int) -> int:
@@ -414,6 +422,9 @@ def setup(cfg: Config) -> Run | None:
     ckpt, state = rloo.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
     state = state or dict(step=0, history=[], promotions=0, pq=0, archive=[])
     rloo.restore_rows(cfg.out, ckpt, OUTPUTS)   # the files hold exactly the committed steps
+    wb = {}   # rank 0 with --wandb: the W&B run and the first step it does not hold
+    if cfg.wandb:
+        rloo.on_rank0(track, cfg, state, wb)   # its error (no login) ends every rank
     if state["step"] >= cfg.outer_steps and not rloo.on_rank0(rloo.hf_behind, cfg.out, state):
         rloo.print0(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
         return None
@@ -444,7 +455,31 @@ def setup(cfg: Config) -> Run | None:
     if rloo.rank0() and (free := shutil.disk_usage(cfg.out).free) < 32 * n_params:
         print(f"soar.py: warning: {size(free)} free in {cfg.out}, less than two checkpoints "
               f"({size(32 * n_params)}): a save may fail", file=sys.stderr)
-    return Run(mesh, tok, llm, teacher, student, rloo.snapshot(student), hard, state, n_params)
+    return Run(mesh, tok, llm, teacher, student, rloo.snapshot(student), hard, state, n_params, wb)
+
+
+def track(cfg: Config, state: dict, wb: dict) -> None:
+    """(rank 0, --wandb) wb = {"run": the run's W&B run, "next": the first step it does not hold}.
+    Its id is kept in the checkpoint state (and in out/wandb.json until the first checkpoint): a
+    resumed run continues the same W&B run. It first logs the committed rows W&B does not hold
+    (rloo.tracked_steps), so each step is logged once, whatever a kill lost."""
+    path = os.path.join(cfg.out, "wandb.json")
+    if "wandb" not in state:
+        state["wandb"] = data.read_json(path)["id"] if os.path.exists(path) else \
+            secrets.token_hex(4)
+        data.write_json(path, {"id": state["wandb"]})
+    run = rloo.tracker(cfg.wandb, cfg.wandb_name, cfg.out, dataclasses.asdict(cfg),
+                       state["wandb"])
+    wb.update(run=run, next=rloo.tracked_steps(run, cfg.out))
+    log_rows(wb, data.read_jsonl(os.path.join(cfg.out, "metrics.jsonl")))
+
+
+def log_rows(wb: dict, rows: list[dict]) -> None:
+    """(rank 0) each metrics row W&B does not hold yet, at its step"""
+    for r in rows:
+        if r["step"] >= wb["next"]:
+            wb["run"].log(r, step=r["step"])
+            wb["next"] = r["step"] + 1
 
 
 def counts(cfg: Config, run: Run) -> dict:
@@ -465,13 +500,16 @@ def counts(cfg: Config, run: Run) -> dict:
 
 def commit_step(cfg: Config, run: Run, state: dict, theta, rows: dict, promoted: bool) -> None:
     """Nothing in --out gets ahead of the checkpoint: first the checkpoint, which commits the step
-    with its rows (the OUTPUTS files are then rewritten from it); then, every save_every steps and
-    at the end, the HF folders teacher/ and student/."""
+    with its rows (the OUTPUTS files are then rewritten from it); then W&B's copy of the metrics
+    row (--wandb); then, every save_every steps and at the end, the HF folders teacher/ and
+    student/."""
     rloo.restore(run.student, theta)   # checkpoint and outputs hold theta, not the last student
     rloo.save_checkpoint(cfg.out, state["step"],
                          {"teacher": (run.teacher, True), "student": (run.student, False)},
                          {**state, "config": dataclasses.asdict(cfg)},
                          unchanged=() if promoted else ("student",), rows=rows)
+    if run.wandb:
+        log_rows(run.wandb, rows["metrics.jsonl"])
     if state["step"] % cfg.save_every == 0 or state["step"] >= cfg.outer_steps:
         save_hf(cfg, run, state)
 

@@ -346,6 +346,8 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, r: dict, seed:
             print(f"train step {step:4d}  loss teacher {counts[2] / counts[0]:.3f} "
                   f"student {counts[3] / counts[1]:.3f}  {time.time() - t0:.0f}s", flush=True)
     if rank == 0:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()   # its "Writing model shards" bar, for one tiny file
         model.save_pretrained(model_dir)  # safetensors, next to the tokenizer
     dist.destroy_process_group()
 

@@ -3,6 +3,8 @@ import sys
 
 import pytest
 
+os.environ["WANDB_MODE"] = "offline"   # a test never reaches W&B's servers (nor needs a login)
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from soar_runs import soar  # noqa: E402
 

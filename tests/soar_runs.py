@@ -1,5 +1,6 @@
 """Helpers of the end-to-end tests: soar.py under torchrun with 2 ranks on the small built-in world,
 reading what it wrote, and killing what it started."""
+import glob
 import json
 import os
 import signal
@@ -82,3 +83,19 @@ def wait_for(path, p, timeout=600, delay=0.0):
         assert time.time() < deadline, f"no {path} after {timeout} s"
         time.sleep(0.05)
     time.sleep(delay)
+
+
+def wandb_records(folder) -> list[tuple[str, object]]:
+    """(offline run folder, record) of every record W&B's offline runs wrote under folder/wandb"""
+    import rloo
+    return [(os.path.basename(os.path.dirname(p)), r)
+            for p in sorted(glob.glob(os.path.join(folder, "wandb", "offline-run-*", "*.wandb")))
+            for r in rloo.wandb_records(p)]
+
+
+def wandb_history(folder) -> list[dict]:
+    """every row W&B's offline runs under folder logged, in order: {key: value, "_step": step}; a
+    logged table or image is flattened to its <key>/_type, <key>/path, ..."""
+    rows = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for _, r in wandb_records(folder) if r.WhichOneof("record_type") == "history"]
+    return [{k: v for k, v in r.items() if k not in ("_timestamp", "_runtime")} for r in rows]

@@ -14,7 +14,7 @@ import pytest
 
 import data
 import eval as ev
-from soar_runs import kill_all
+from soar_runs import kill_all, wandb_history, wandb_records
 import rloo
 import world
 
@@ -270,7 +270,8 @@ def test_report_table_and_plots(tmp_path):
     write(str(old / "ckpt" / "step-1" / "state.json"), {"step": 1, "config": {"reward": "opensir"}})
     cfg = ev.Config(runs=str(runs), soar=f"{soar_dir},{tmp_path / 'soar-s1'},"
                                          f"{tmp_path / 'soar-new'}",
-                    vendi_draws=3, intrinsic=str(tmp_path / "int"), opensir=str(old))
+                    vendi_draws=3, intrinsic=str(tmp_path / "int"), opensir=str(old),
+                    wandb="eval-tests")
     text = ev.cmd_report(cfg)
     lines = text.splitlines()
     assert ("| method | pass@1 | pass@32 | pass@32 - Hard-Only [95% CI] | seeds | step "
@@ -294,6 +295,10 @@ def test_report_table_and_plots(tmp_path):
     for png in ("curves.png", "soar.png", "curriculum.png"):
         assert (runs / png).stat().st_size > 1000
     assert (runs / "report.md").read_text() == text
+    # --wandb (offline: conftest): a table per method, and the plots
+    assert {k[:-6]: v for r in wandb_history(runs) for k, v in r.items() if k.endswith("/_type")} \
+        == {"base": "table-file", "hard-only": "table-file", "pq": "table-file",
+         "curves": "image-file", "soar": "image-file", "curriculum": "image-file"}
 
 
 def test_parse_args_world_defaults_and_paper_settings(tmp_path):
@@ -380,7 +385,7 @@ def rows_run(small_world, tmp_path_factory):
     (tmp / "my_eval.py").write_text(MY_EVAL.format(root=ROOT))
     p = eval_py("row", "base", "ps", "hard-only", "pq", "base-t", "sept", "pq-sept6", "--soar",
                 str(soar_dir), "--runs", str(runs), *SMALL, "--big_group", "6",
-                script=str(tmp / "my_eval.py"))
+                "--wandb", "eval-tests", script=str(tmp / "my_eval.py"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return soar_dir, runs, p
 
@@ -430,6 +435,15 @@ def test_rows_end_to_end(rows_run, small_world):
     # sampled with the teacher prompt + filter
     qs = rows(runs / "base-t" / "seed0" / "questions.jsonl")
     assert len(qs) == 8 and all(q["question"] and q["answer"] for q in qs)
+    # --wandb (offline: conftest): the rows' tables, each with its result.json's numbers
+    (folder,) = {d for d, _ in wandb_records(runs)}   # one W&B run
+    tables = {k[:-5]: v for r in wandb_history(runs) for k, v in r.items() if k.endswith("/path")}
+    assert set(tables) == {"base", "ps", "hard-only", "pq", "base-t", "sept", "pq-sept6"}
+    for method, path in tables.items():
+        res = json.loads((runs / method / "seed0" / "result.json").read_text())
+        table = json.loads((runs / "wandb" / folder / "files" / path).read_text())
+        assert table["columns"] == ["test", "seed", *res["passk"], "step"]
+        assert table["data"] == [[res["test"], 0, *res["passk"].values(), res.get("stop_step")]]
 
 
 def test_rerun_does_nothing_and_report(rows_run):

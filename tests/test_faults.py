@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from soar_runs import (FLAGS, ROOT, alive, descendants, kill_all, rows, soar,  # noqa: E402
-                       wait_for, without_timing)
+                       wait_for, wandb_history, wandb_records, without_timing)
 
 
 OURS = re.compile(r'File ".*/(soar|rloo|data|world|eval)\.py"')   # a traceback line of ours
@@ -29,19 +29,23 @@ def same_as_reference(out, full_run):
 @pytest.fixture(scope="module")
 def killed_three_times(full_run, tmp_path_factory):
     """SIGKILL every process of the run at three moments, resuming after each: early in step 1 (the
-    teacher samples), well into step 2 (students train), and while step 2's checkpoint is written"""
+    teacher samples), well into step 2 (students train), and while step 2's checkpoint is written;
+    each run logs to W&B (offline: conftest), which must not change a thing"""
     out = tmp_path_factory.mktemp("faults") / "k"
     logs = []
     for moment, delay in ((out / "ckpt" / "step-1", 0.3), (out / "ckpt" / "step-2", 1.0),
                           (out / "ckpt" / "step-3.tmp", 0.0)):
-        p = soar(out, wait=False)
+        p = soar(out, *WANDB, wait=False)
         wait_for(moment, p, delay=delay)
         kill_all(p)
         logs.append(p.stdout.read())
         assert not (out / "ckpt" / "step-3").exists(), "the run finished before the kill"
-    q = soar(out)
+    q = soar(out, *WANDB)
     assert q.returncode == 0, q.stdout[-3000:] + q.stderr[-3000:]
     return out, logs + [q.stdout]
+
+
+WANDB = ("--wandb", "soar-tests", "--wandb_name", "killed")
 
 
 def test_killed_runs_resume_to_the_same_result(killed_three_times, full_run):
@@ -67,7 +71,7 @@ def test_damaged_checkpoint_falls_back_to_the_one_before(killed_three_times, ful
     with open(cut, "r+b") as f:
         f.truncate(os.path.getsize(cut) // 2)
     cut_size = os.path.getsize(cut)
-    p = soar(out)
+    p = soar(out, *WANDB)   # (step 2 again: W&B had it, so it is not logged twice)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"{flipped} has changed since it was written (CRC-32" in p.stderr
     assert f"{cut} is {cut_size} bytes" in p.stderr
@@ -75,6 +79,26 @@ def test_damaged_checkpoint_falls_back_to_the_one_before(killed_three_times, ful
     assert "resuming at step 2" in p.stdout
     assert (out / "ckpt" / "step-3.damaged").is_dir()                  # kept aside, not used again
     same_as_reference(out, full_run)
+
+
+def test_a_killed_run_is_one_wandb_run_with_each_step_once(killed_three_times):
+    """five processes (three killed, one resumed to the end, one fallen back a step) made five
+    offline W&B runs of one id: together they hold each metrics.jsonl row once, at its step, with
+    its keys and values, and the run's settings as config"""
+    out, _ = killed_three_times
+    run_id = json.loads((out / "wandb.json").read_text())["id"]
+    state = json.loads((out / "ckpt" / "step-3" / "state.json").read_text())
+    assert state["wandb"] == run_id
+    records = wandb_records(out)
+    assert len({d for d, _ in records}) >= 4 and all(d.endswith("-" + run_id) for d, _ in records)
+    logged = wandb_history(out)
+    assert [r["_step"] for r in logged] == [0, 1, 2]
+    assert without_timing([{k: v for k, v in r.items() if k != "_step"} for r in logged]) == \
+        without_timing(rows(out / "metrics.jsonl"))   # (the fallback ran step 2 again: timings)
+    for _, r in records:
+        if r.HasField("run"):
+            assert {i.key: json.loads(i.value_json) for i in r.run.config.update
+                    if not i.key.startswith("_")} == state["config"]
 
 
 def test_rows_cut_short_or_garbled_come_back_from_the_checkpoint(full_run, tmp_path):

@@ -90,6 +90,35 @@ def test_every_readme_command_parses(tmp_path):
     assert any(a[0] == "torchrun" for a in lines) and len(lines) >= 20   # loops ran: 3 seeds each
 
 
+def test_sbatch_runs_one_torchrun_per_node_meeting_on_the_first(tmp_path):
+    """soar.sbatch as a 2-node job of 8 GPUs each, SLURM's commands stood in for: scontrol names the
+    nodes, srun runs its command (once here; on a cluster once per node), ./run.sh and torchrun
+    record their argv"""
+    bin_ = tmp_path / "bin"
+    for path, name in ((tmp_path / "run.sh", "./run.sh"), (tmp_path / ".venv/bin/torchrun",
+                                                           "torchrun"), (bin_ / "srun", "srun")):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(RECORDER.format(python=sys.executable, name=name) + (
+            "os.execv(sys.argv[2], sys.argv[2:])\n" if name == "srun" else ""))
+        path.chmod(0o755)
+    (bin_ / "scontrol").write_text("#!/bin/sh\nprintf 'node0\\nnode1\\n'\n")
+    (bin_ / "scontrol").chmod(0o755)
+    env = {"PATH": f"{bin_}:/usr/bin:/bin", "LOG": str(tmp_path / "log.jsonl"),
+           "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_NODELIST": "node[0-1]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_ID": "7"}
+    p = subprocess.run(["/bin/bash", os.path.join(ROOT, "soar.sbatch"), "--out", "runs/x",
+                        "--outer_steps", "4"], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    setup, srun, torchrun = rows(tmp_path / "log.jsonl")
+    assert setup == ["./run.sh", "setup"] and srun[0] == "srun"
+    a = get_args_parser().parse_args(torchrun[1:])
+    assert (a.nnodes, a.nproc_per_node, a.rdzv_backend, a.rdzv_endpoint, a.rdzv_id) == \
+        ("2", "8", "c10d", "node0:29500", "7")
+    assert a.training_script == "soar.py" and \
+        soar.parse_args(a.training_script_args).outer_steps == 4
+    assert "job 7 (restart 0) on 2 node(s), 8 rank(s) each, rendezvous node0:29500" in p.stdout
+
+
 def test_recording_sees_what_bash_expands(tmp_path):
     """the block's variables and loops are bash's: $E and $s expand as the block sets them"""
     block = 'E=".venv/bin/python eval.py row --runs r"\nfor s in 0 1; do $E pq --seeds $s; done\n'

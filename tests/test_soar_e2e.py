@@ -56,6 +56,7 @@ def test_outputs_are_consistent(full_run):
     assert [{k: r[k] for k in ("question", "answer", "step")} for r in qs
             if r["k"] == metrics[r["step"]]["promoted_k"]] == pq
     assert sorted(os.listdir(out / "ckpt")) == ["step-2", "step-3"]   # newest two (rloo.KEEP_CKPTS)
+    assert not (out / "wandb").exists() and not (out / "wandb.json").exists()   # no --wandb
     state = json.loads((out / "ckpt" / "step-3" / "state.json").read_text())
     assert state["step"] == 3 and state["promotions"] == 3 and state["pq"] == 12
     # what a restart needs: the teacher with its AdamW state, the student's weights only

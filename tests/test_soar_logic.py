@@ -197,3 +197,12 @@ def test_flags_survive_torchrun():
     assert len(theirs) > 20
     assert not {(a, b) for a in ours for b in theirs
                 if b.startswith(a) or b.replace("-", "_").startswith(a)}
+
+
+def test_wandb_that_cannot_start_is_one_line(monkeypatch, tmp_path):
+    """--wandb online with no login: a one-line error naming the way out, not W&B's traceback"""
+    for k, v in (("WANDB_MODE", "online"), ("HOME", tmp_path), ("NETRC", tmp_path / "none")):
+        monkeypatch.setenv(k, str(v))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match=r"^--wandb p: W&B did not start \(No API key.*offline$"):
+        rloo.tracker("p", "", str(tmp_path), {})
