@@ -173,7 +173,7 @@ def test_bad_input_ends_in_one_line(flags, says, tmp_path):
     assert not out.exists()                                            # nothing left behind
 
 
-def test_one_run_per_folder_and_ranks_die_with_their_launcher(full_run, tmp_path):
+def test_one_run_per_folder_and_ranks_die_with_their_launcher(tmp_path):
     out = tmp_path / "l"
     a = soar(out, wait=False)
     wait_for(out / ".lock", a)
@@ -195,10 +195,7 @@ def test_one_run_per_folder_and_ranks_die_with_their_launcher(full_run, tmp_path
     while any(map(alive, procs)) and time.time() < deadline:
         time.sleep(0.2)
     assert not [pid for pid in procs if alive(pid)], "processes outlived their launcher by 30 s"
-    # the dead run's lock does not block its resume
-    c = soar(out)
-    assert c.returncode == 0 and "resuming at step" in c.stdout, c.stdout[-3000:] + c.stderr[-3000:]
-    same_as_reference(out, full_run)
+    # (that a dead run's lock does not block its resume, killed_three_times shows three times)
 
 
 @pytest.mark.parametrize("flock", [True, False])
