@@ -923,6 +923,9 @@ def tracker(project: str, name: str, folder: str, config: dict, run_id: str | No
     continuing run `run_id` when given. wandb is imported here only: a run without --wandb never
     loads it. Silent; WANDB_MODE=offline writes it there without a network (`wandb sync` later)."""
     import wandb
+    # a W&B service of our own: one inherited from a parent (its address is left in WANDB_SERVICE)
+    # may still hold this run's id, for a process that was killed, and would hang this init
+    os.environ.pop("WANDB_SERVICE", None)
     try:
         return wandb.init(project=project, name=name or None, id=run_id, dir=folder,
                           config=config, resume="allow" if run_id else None,
