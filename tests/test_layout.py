@@ -65,4 +65,5 @@ def test_top_level_holds_the_design_card():
                              text=True).stdout.split()
     top = {f.split("/")[0] for f in tracked if not f.startswith(".")}
     assert top == {"soar.py", "rloo.py", "data.py", "eval.py", "world.py", "README.md", "METHOD.md",
-                   "requirements.txt", "run.sh", "tests", "bench", "docs", "pyproject.toml"}
+                   "requirements.txt", "run.sh", "soar.sbatch", "tests", "bench", "docs",
+                   "pyproject.toml"}   # (soar.sbatch: run.sh's counterpart on SLURM)
