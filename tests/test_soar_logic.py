@@ -201,6 +201,8 @@ def test_flags_survive_torchrun():
 
 def test_wandb_that_cannot_start_is_one_line(monkeypatch, tmp_path):
     """--wandb online with no login: a one-line error naming the way out, not W&B's traceback"""
+    import wandb
+    wandb.teardown()   # a fresh W&B: an earlier test's, in this process, keeps its settings
     for k, v in (("WANDB_MODE", "online"), ("HOME", tmp_path), ("NETRC", tmp_path / "none")):
         monkeypatch.setenv(k, str(v))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
