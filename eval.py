@@ -674,12 +674,17 @@ def ordered(methods) -> list[str]:
     return sorted(methods, key=lambda m: (list(ROWS).index(m) if m in ROWS else len(ROWS), m))
 
 
+def passk_keys(results: list[dict]) -> list[str]:
+    """the pass@k keys the results hold, by k"""
+    return sorted({k for r in results for k in r["passk"]}, key=lambda k: int(k[5:]))
+
+
 def table(results: list[dict], test: str) -> list[str]:
     """Tables 4-6: rows = methods (paper's order); columns = pass@k in % (mean ± std over seeds),
     the top k's pass@k minus Hard-Only's (paired by seed, 95% bootstrap CI), the step of the number
     (early stop, fixed, last window), non-trivial: the share of groups with a reward signal."""
     rs = [r for r in results if r["test"] == test]
-    ks = sorted({k for r in rs for k in r["passk"]}, key=lambda k: int(k[5:]))
+    ks = passk_keys(rs)
     ref = {r["seed"]: r["passk"][ks[-1]] for r in rs if r["method"] == "hard-only"}
     lines = [f"## pass@k (%) on `{test}`", "", "| method | " + " | ".join(ks) + f" | {ks[-1]} - "
              "Hard-Only [95% CI] | seeds | step | non-trivial |", "|---|" + "---|" * (len(ks) + 4)]
@@ -906,7 +911,7 @@ def log_tables(cfg: Config, results: list[dict], plots=()) -> None:
     import wandb   # (loaded by rloo.tracker: only with --wandb)
     for m in ordered({r["method"] for r in results}):
         rs = [r for r in results if r["method"] == m]
-        ks = sorted({k for r in rs for k in r["passk"]}, key=lambda k: int(k[5:]))
+        ks = passk_keys(rs)
         wb.log({m: wandb.Table(columns=["test", "seed", *ks, "step"],
                                data=[[r["test"], r["seed"], *(r["passk"].get(k) for k in ks),
                                       r.get("stop_step")] for r in rs])})

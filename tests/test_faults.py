@@ -26,6 +26,9 @@ def same_as_reference(out, full_run):
         assert rows(out / name) == rows(ref / name), name
 
 
+WANDB = ("--wandb", "soar-tests", "--wandb_name", "killed")   # (offline: conftest)
+
+
 @pytest.fixture(scope="module")
 def killed_three_times(full_run, tmp_path_factory):
     """SIGKILL every process of the run at three moments, resuming after each: early in step 1 (the
@@ -43,9 +46,6 @@ def killed_three_times(full_run, tmp_path_factory):
     q = soar(out, *WANDB)
     assert q.returncode == 0, q.stdout[-3000:] + q.stderr[-3000:]
     return out, logs + [q.stdout]
-
-
-WANDB = ("--wandb", "soar-tests", "--wandb_name", "killed")
 
 
 def test_killed_runs_resume_to_the_same_result(killed_three_times, full_run):
