@@ -275,6 +275,9 @@ def test_report_table_and_plots(tmp_path):
                     wandb="eval-tests")
     with mock.patch.dict(os.environ):   # (W&B leaves its service's address there: not for later
         text = ev.cmd_report(cfg)       # tests' processes)
+        import wandb
+        wandb.teardown()   # the service writes a finished run's .wandb file when it closes the run,
+        #                    which may come after finish() returns: teardown waits for it
     lines = text.splitlines()
     assert ("| method | pass@1 | pass@32 | pass@32 - Hard-Only [95% CI] | seeds | step "
             "| non-trivial |") in lines
