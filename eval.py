@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
+import common
 import data
 import rloo
 import world
@@ -183,16 +184,17 @@ def seeds(cfg: Config) -> list[int]:
 
 
 def parse_args(argv=None) -> tuple[str, list[str], Config]:
-    p = rloo.config_parser(Config, world.PRESET, description=__doc__,
-                           epilog="rows:\n" + "\n".join(f"  {k:14} {v.about}"
-                                                        for k, v in ROWS.items()))
+    p = common.config_parser(Config, world.PRESET, description=__doc__,
+                             epilog="rows:\n" + "\n".join(f"  {k:14} {v.about}"
+                                                          for k, v in ROWS.items()))
     p.add_argument("command", choices=list(COMMANDS))
     p.add_argument("args", nargs="*",
                    help="filter: pools; row: methods; sample-teacher: a teacher; vendi: files")
     a = vars(p.parse_intermixed_args(argv))   # options anywhere: before, between and after the rows
-    command, args, cfg = a["command"], a["args"], rloo.config_from(Config, a, world.PRESET)
-    error = p.error if rloo.rank0() else lambda _: sys.exit(2)   # rank 0 says it, once
-    if bad := rloo.too_small(cfg, COUNTS) + ["--temperature: need T > 0"] * (cfg.temperature <= 0):
+    command, args, cfg = a["command"], a["args"], common.config_from(Config, a, world.PRESET)
+    error = p.error if common.rank0() else lambda _: sys.exit(2)   # rank 0 says it, once
+    bad = common.too_small(cfg, COUNTS) + ["--temperature: need T > 0"] * (cfg.temperature <= 0)
+    if bad:
         error("these settings cannot work: " + "; ".join(bad))
     if cfg.mode not in ("mixed", "curriculum") or cfg.sampler not in ("uniform", "leeps"):
         error(f"--mode must be mixed or curriculum and --sampler uniform or leeps, not "
@@ -350,8 +352,8 @@ def leeps(n: int, emb: np.ndarray, history: list[dict], size: int, rng: random.R
 
 def eval_passk(llm, test: list[dict], cfg: Config, seed: int, key) -> dict:
     counts = rloo.correct_counts(llm, test, n=cfg.passk_samples, max_tokens=cfg.student_max_tokens,
-                                 temperature=cfg.temperature, seed=rloo.seed_of(seed, "passk", key),
-                                 group=dist.group.WORLD)
+                                 temperature=cfg.temperature, group=dist.group.WORLD,
+                                 seed=common.seed_of(seed, "passk", key))
     return {**mean_passk(counts, cfg.passk_samples), "solved": sum(c > 0 for c in counts)}
 
 
@@ -380,7 +382,7 @@ def inference_run(cfg: Config, seed: int, method: str, path: str, llm, mesh, tes
     res = dict(method=method, test=cfg.test, seed=seed, model=path,
                passk={k: v for k, v in eval_passk(llm, test, cfg, seed, "inference").items()
                       if k.startswith("pass@")})
-    if rloo.rank0():
+    if common.rank0():
         data.write_json(os.path.join(out, "result.json"), res)
     return res
 
@@ -401,30 +403,30 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
                               total_steps=cfg.student_steps, kl_coef=cfg.kl_coef if row.kl else 0.0,
                               activation_checkpointing=cfg.activation_checkpointing)
     metrics_path, evals_path = os.path.join(out, "metrics.jsonl"), os.path.join(out, "evals.jsonl")
-    ckpt, state = rloo.resume(out, config, MAY_CHANGE)
+    ckpt, state = common.resume(out, config, MAY_CHANGE)
     if ckpt:
-        rloo.load_state(policy, os.path.join(ckpt, "policy"))
+        common.load_state(policy, os.path.join(ckpt, "policy"))
     start = state["step"] if ckpt else 0
-    rloo.restore_rows(out, ckpt, ("metrics.jsonl", "evals.jsonl"))   # only the ckpt's steps
-    rloo.print0(f"{method} seed {seed}: {len(synthetic)} synthetic + {len(real)} real questions, "
-                f"{cfg.mode}, group {cfg.student_samples}; "
-                f"{'resuming at' if start else 'starting at'} step {start} -> {out}")
+    common.restore_rows(out, ckpt, ("metrics.jsonl", "evals.jsonl"))   # only the ckpt's steps
+    common.print0(f"{method} seed {seed}: {len(synthetic)} synthetic + {len(real)} real questions, "
+                  f"{cfg.mode}, group {cfg.student_samples}; "
+                  f"{'resuming at' if start else 'starting at'} step {start} -> {out}")
     dist.barrier()
     metrics, evals, emb = data.read_jsonl(metrics_path), data.read_jsonl(evals_path), {}
     rewards = [m["reward"] for m in metrics]
     step, committed = start, (len(metrics), len(evals))   # the rows the last checkpoint holds
-    with tqdm(total=cfg.student_steps, initial=start, disable=not rloo.rank0(), desc=method,
+    with tqdm(total=cfg.student_steps, initial=start, disable=not common.rank0(), desc=method,
               dynamic_ncols=True) as bar:
         while True:
             if step % cfg.eval_every == 0 or step == cfg.fixed_step or step == cfg.student_steps:
                 rloo.sync_weights(policy, llm)
                 evals.append({"step": step, **eval_passk(llm, test, cfg, seed, step)})
-                if rloo.rank0():
+                if common.rank0():
                     data.append_jsonl(evals_path, [evals[-1]])
             if step >= cfg.student_steps or finished(rewards, step, cfg, offset):
                 break
             t0 = time.perf_counter()
-            rloo.reset_counts()  # this step's counts only (not the evaluation's, nor another run's)
+            common.reset_counts()  # this step's only (not the evaluation's nor another run's)
             source, pool, idx = batch_at(step, synthetic, real, cfg, seed)
             portfolio = None
             if cfg.sampler == "leeps":   # history: the metrics rows of earlier steps on this pool
@@ -438,7 +440,7 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
             stats = rloo.student_step(policy, llm, batch, samples=cfg.student_samples,
                                       temperature=getattr(cfg, row.temperature),
                                       max_tokens=cfg.student_max_tokens, group=dist.group.WORLD,
-                                      seed=rloo.seed_of(seed, "student", step),
+                                      seed=common.seed_of(seed, "student", step),
                                       micro_batch_tokens=cfg.micro_batch_tokens,
                                       advantages=row.advantages, loss=rloo.rloo_loss,
                                       train_temperature=row.train_temperature)
@@ -446,17 +448,17 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
             metrics.append({
                 "step": step, "source": source, "questions": idx, "portfolio": portfolio, **stats,
                 "nontrivial_share": statistics.fmean(stats["nontrivial"]), "skipped_updates": 0,
-                **rloo.gather_counts(), "sampler_seconds": round(sampler_s, 4),
+                **common.gather_counts(), "sampler_seconds": round(sampler_s, 4),
                 "seconds": round(time.perf_counter() - t0, 3)})
-            if rloo.rank0():
+            if common.rank0():
                 data.append_jsonl(metrics_path, metrics[-1:])
             step += 1
             bar.update(1)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", acc=f"{stats['accuracy']:.3f}")
             if step % cfg.ckpt_every == 0:
-                rloo.save_checkpoint(out, step, {"policy": (policy, True)},
-                                     {"step": step, "config": config},
-                                     rows={"metrics.jsonl": metrics[committed[0]:],
+                common.save_checkpoint(out, step, {"policy": (policy, True)},
+                                       {"step": step, "config": config},
+                                       rows={"metrics.jsonl": metrics[committed[0]:],
                                            "evals.jsonl": evals[committed[1]:]})
                 committed = (len(metrics), len(evals))
     res = dict(method=os.path.basename(os.path.dirname(out)), test=cfg.test, seed=seed,
@@ -464,7 +466,7 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
                n_synthetic=len(synthetic), n_real=len(real), sampler=cfg.sampler,
                nontrivial_share=(statistics.fmean(m["nontrivial_share"] for m in metrics)
                                  if metrics else None), **select(evals, rewards, cfg, offset))
-    if rloo.rank0():
+    if common.rank0():
         data.write_json(os.path.join(out, "result.json"), res)
         shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)  # optimizer state: GBs a run
     dist.barrier()
@@ -478,7 +480,7 @@ def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False,
     """mesh (one FSDP mesh over all ranks: the student is sharded over all, each rank's engine makes
     its share), tokenizer and a per-rank engine fitting the longest question plus a completion and,
     if `teacher`, a teacher prompt plus its sample and such a sample as a question."""
-    _, world_size, device = rloo.init_distributed()
+    _, world_size, device = common.init_distributed()
     mesh = init_device_mesh(device.type, (world_size,))
     tok = rloo.tokenizer(cfg.model)
     seq_len = rloo.engine_len(tok, [q["question"] for qs in question_sets for q in qs],
@@ -506,15 +508,15 @@ def done(cfg: Config, method: str, seed: int) -> bool:
 def cmd_row(cfg: Config, methods: list[str]) -> None:
     """The rows `methods` x seeds, each into its run folder, each as its ROWS entry says."""
     if all(done(cfg, m, s) for m in methods for s in seeds(cfg)):   # before any engine is built
-        rloo.print0(f"{cfg.runs}: {', '.join(methods)} x seeds {cfg.seeds}: all finished already; "
-                    "nothing to do")
+        common.print0(f"{cfg.runs}: {', '.join(methods)} x seeds {cfg.seeds}: all finished "
+                      "already; nothing to do")
         return
     rows = {m: row_of(m, cfg) for m in methods}
     if missing := missing_inputs(rows, cfg):   # before the world is built
         raise SystemExit(f"missing inputs (method: path or flag): {missing}")
     for path in {path_of(t, cfg) for r in rows.values() for t in (r.model, r.teacher)
                  if t and "{model}" not in t}:   # a soar.py run's teacher/ or student/
-        if behind := rloo.hf_behind(os.path.dirname(path), names=[os.path.basename(path)]):
+        if behind := common.hf_behind(os.path.dirname(path), names=[os.path.basename(path)]):
             raise SystemExit(f"eval.py: error: {behind[0]} is behind its run's checkpoint: rerun "
                              "that soar.py command to finish writing it")
     cfg = world.resolve(cfg)
@@ -527,18 +529,18 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
     if not (cfg.train and cfg.test):
         raise SystemExit("--train and --test are required with --model: "
                          "the fail@128 train and test splits")
-    rloo.init_distributed()   # rank 0 reads the problems (load_problems drops some on timeouts)
-    hard, test = (rloo.on_rank0(data.load_problems, f) for f in (cfg.train, cfg.test))
-    files = {r.file: rloo.on_rank0(data.load_problems, path_of(r.file, cfg))
+    common.init_distributed()   # rank 0 reads the problems (load_problems drops some on timeouts)
+    hard, test = (common.on_rank0(data.load_problems, f) for f in (cfg.train, cfg.test))
+    files = {r.file: common.on_rank0(data.load_problems, path_of(r.file, cfg))
              for r in rows.values() if r.file}
     mesh, tok, llm = setup(cfg, [hard, test, *files.values()],
                            teacher=any(r.teacher for r in rows.values()))
     for method, row in rows.items():
         for seed in seeds(cfg):
             out = run_dir(cfg, method, seed)
-            rloo.lock_folder(out)   # one process per run folder
+            common.lock_folder(out)   # one process per run folder
             if done(cfg, method, seed):
-                rloo.print0(f"{out}: finished already")
+                common.print0(f"{out}: finished already")
                 continue
             if row.model:
                 res = inference_run(cfg, seed, method, path_of(row.model, cfg), llm, mesh,
@@ -551,7 +553,7 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
                     if not synthetic:
                         synthetic = teacher_questions(path_of(row.teacher, cfg), cfg, seed, llm,
                                                       tok, mesh)
-                        if rloo.rank0():
+                        if common.rank0():
                             data.write_jsonl(qpath, synthetic)
                 if row.keep:
                     synthetic = pq_subset(synthetic, row.keep, cfg)
@@ -559,12 +561,12 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
                     synthetic = random.Random(f"{seed}/upper").sample(
                         synthetic, min(cfg.teacher_questions, len(synthetic)))
                 if row.file and not synthetic:
-                    rloo.print0(f"{method}: skipped, {path_of(row.file, cfg)} "
-                                "has no such questions yet")
+                    common.print0(f"{method}: skipped, {path_of(row.file, cfg)} "
+                                  "has no such questions yet")
                     continue
                 res = train_run(cfg, seed, method, row, synthetic, hard, test, llm, mesh, out)
-            rloo.print0(f"{method} seed {seed}: " + "  ".join(f"{k} {100 * v:.1f}%"
-                                                              for k, v in res["passk"].items()))
+            common.print0(f"{method} seed {seed}: " + "  ".join(f"{k} {100 * v:.1f}%"
+                                                                for k, v in res["passk"].items()))
     log_tables(cfg, [data.read_json(os.path.join(run_dir(cfg, m, s), "result.json"))
                      for m in methods for s in seeds(cfg) if done(cfg, m, s)])
 
@@ -590,7 +592,7 @@ def cmd_sample_teacher(cfg: Config, args: list[str]) -> None:
         raise SystemExit("sample-teacher needs --out FILE")
     mesh, tok, llm = setup(cfg, [], teacher=True)
     qs = teacher_questions(path, cfg, seeds(cfg)[0], llm, tok, mesh)
-    if rloo.rank0():
+    if common.rank0():
         data.write_jsonl(cfg.out, qs)
         print(f"wrote {len(qs)} questions of {path} to {cfg.out}")
 
@@ -623,29 +625,29 @@ def cmd_filter(cfg: Config, pools: list[str]) -> None:
     appended per chunk: a rerun continues), train.jsonl, test.jsonl, filter.json."""
     if not (cfg.model and cfg.out and pools):
         raise SystemExit("filter needs pools (math, harp, olympiad or files), --model and --out")
-    rloo.init_distributed()
-    problems = {p: rloo.on_rank0(data.load_problems, p) for p in pools}
+    common.init_distributed()
+    problems = {p: common.on_rank0(data.load_problems, p) for p in pools}
     mesh, tok, llm = setup(cfg, list(problems.values()), engine_share=0.9)   # no trainer beside
     n, chunk = cfg.filter_samples, max(1, 8192 // cfg.filter_samples)
     for pool, probs in problems.items():
         out = os.path.join(cfg.out, os.path.splitext(os.path.basename(pool))[0])
         counts_path = os.path.join(out, "counts.jsonl")
-        have = rloo.on_rank0(counted, counts_path)
-        rloo.print0(f"{pool}: {len(probs)} problems, {len(have)} done")
-        for lo in tqdm(range(len(have), len(probs), chunk), disable=not rloo.rank0(), desc=pool,
+        have = common.on_rank0(counted, counts_path)
+        common.print0(f"{pool}: {len(probs)} problems, {len(have)} done")
+        for lo in tqdm(range(len(have), len(probs), chunk), disable=not common.rank0(), desc=pool,
                        dynamic_ncols=True):
             counts = rloo.correct_counts(llm, probs[lo:lo + chunk], n=n,
                                          max_tokens=cfg.student_max_tokens,
-                                         seed=rloo.seed_of(seeds(cfg)[0], "filter") + lo,
+                                         seed=common.seed_of(seeds(cfg)[0], "filter") + lo,
                                          temperature=cfg.temperature, group=dist.group.WORLD)
-            if rloo.rank0():
+            if common.rank0():
                 data.append_jsonl(counts_path, [{"index": lo + i, "correct": c}
                                                 for i, c in enumerate(counts)])
             dist.barrier()
         counts = [r["correct"] for r in data.read_jsonl(counts_path)]
         hard = [p for p, c in zip(probs, counts) if c == 0]
         train, test = data.split_train_test(hard, cfg.split_seed)
-        if rloo.rank0():
+        if common.rank0():
             data.write_jsonl(os.path.join(out, "train.jsonl"), train)
             data.write_jsonl(os.path.join(out, "test.jsonl"), test)
             data.write_json(os.path.join(out, "filter.json"),
@@ -771,7 +773,7 @@ def plot_soar(runs: dict[str, list[dict]], path: str) -> None:
 
 def soar_config(folder: str) -> dict | None:
     """a soar.py --out folder's settings (its newest checkpoint's); None before its first step"""
-    ckpts = rloo.ckpt_dirs(folder)
+    ckpts = common.ckpt_dirs(folder)
     return data.read_json(os.path.join(ckpts[-1], "state.json"))["config"] if ckpts else None
 
 
@@ -905,10 +907,10 @@ def cmd_report(cfg: Config, args=()) -> str:
 def log_tables(cfg: Config, results: list[dict], plots=()) -> None:
     """(rank 0, --wandb) a W&B run of this command: per method a table of its runs' results
     (pass@k, the step it was read at), and the plots"""
-    if not (cfg.wandb and rloo.rank0()):
+    if not (cfg.wandb and common.rank0()):
         return
-    wb = rloo.tracker(cfg.wandb, cfg.wandb_name, cfg.out or cfg.runs, dataclasses.asdict(cfg))
-    import wandb   # (loaded by rloo.tracker: only with --wandb)
+    wb = common.tracker(cfg.wandb, cfg.wandb_name, cfg.out or cfg.runs, dataclasses.asdict(cfg))
+    import wandb   # (loaded by common.tracker: only with --wandb)
     for m in ordered({r["method"] for r in results}):
         rs = [r for r in results if r["method"] == m]
         ks = passk_keys(rs)
@@ -925,7 +927,7 @@ COMMANDS = {"filter": cmd_filter, "row": cmd_row, "train": lambda cfg, _: cmd_ro
 
 def main(argv=None):
     command, args, cfg = parse_args(argv)
-    with rloo.clean_exit("eval.py"):
+    with common.clean_exit("eval.py"):
         COMMANDS[command](cfg, args)
 
 

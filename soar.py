@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
+import common
 import data
 import rloo
 import world
@@ -45,7 +46,7 @@ class Config:
     world: str = "default"      # the built-in world without --model: default, or small (the tests')
     train: str = ""             # hard train split (jsonl/parquet, question/answer); "" = world's
     out: str = "runs/soar"      # output folder; rerunning on it resumes
-    seed: int = 0               # every random draw derives from it (rloo.seed_of)
+    seed: int = 0               # every random draw derives from it (common.seed_of)
     # ---- outer loop (METHOD.md "Algorithm 1", "Hyperparameters"); the paper's g, n, r, M are
     # spelled out because torchrun would take --n, --r, --m as its own ----
     outer_steps: int = 200      # T
@@ -102,10 +103,10 @@ MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpoint
 
 
 def parse_args(argv=None) -> Config:
-    p = rloo.config_parser(Config, world.PRESET, description=__doc__)
-    cfg = rloo.config_from(Config, vars(p.parse_args(argv)), world.PRESET)
+    p = common.config_parser(Config, world.PRESET, description=__doc__)
+    cfg = common.config_from(Config, vars(p.parse_args(argv)), world.PRESET)
     if cfg.reward not in TEACHER_REWARDS:   # (rank 0 says it; the others exit)
-        (p.error if rloo.rank0() else lambda _: sys.exit(2))(
+        (p.error if common.rank0() else lambda _: sys.exit(2))(
             f"--reward must be one of {', '.join(TEACHER_REWARDS)}, not {cfg.reward!r}")
     return cfg
 
@@ -186,15 +187,15 @@ def main(cfg: Config):
     prompt, pq_path, first_step = (data.teacher_prompt(run.tok), os.path.join(cfg.out, "pq.jsonl"),
                                    state["step"])
     bar = tqdm(range(first_step, cfg.outer_steps), initial=first_step, total=cfg.outer_steps,
-               disable=not rloo.rank0(), desc="SOAR", dynamic_ncols=True)
+               disable=not common.rank0(), desc="SOAR", dynamic_ncols=True)
     for step in bar:
-        rloo.TIMES.clear()
-        rloo.reset_counts()
+        common.TIMES.clear()
+        common.reset_counts()
         t_step = time.perf_counter()
         S = inner_steps(cfg, state["promotions"])
         # 1-2. the teacher samples g*n valid pairs (by rejection), split in order into X_1..X_g
-        with rloo.timed("teacher_generation"):
-            with rloo.timed("sync"):
+        with common.timed("teacher_generation"):
+            with common.timed("sync"):
                 rloo.sync_weights(run.teacher, run.llm)
             kept, sampled = rloo.sample_teacher(run.llm, prompt, need=g * n, seed=cfg.seed,
                                                 max_tokens=cfg.teacher_max_tokens, key=step,
@@ -205,11 +206,11 @@ def main(cfg: Config):
         # on the group's own engines, as its trained students are measured (greedy bf16 decoding
         # is not batch-invariant: Acc0 from other engines or batches could differ by more than tau)
         q_r = data.sample_questions(run.hard, cfg.qr_size,
-                                    random.Random(rloo.seed_of(cfg.seed, step, "q_r")))
+                                    random.Random(common.seed_of(cfg.seed, step, "q_r")))
         rloo.restore(run.student, theta)
-        with rloo.timed("sync"):
+        with common.timed("sync"):
             rloo.sync_weights(run.student, run.llm)
-        with rloo.timed("evaluation"):
+        with common.timed("evaluation"):
             acc0 = accuracy(cfg, run.llm, q_r, run.mesh["fsdp"].get_group())
         # 5. the g x r table R: grounded, R_kj = Acc(a student trained on X_k from theta) - Acc0;
         # the intrinsic baselines, one column: X_k's mean reward (TEACHER_REWARDS)
@@ -225,21 +226,21 @@ def main(cfg: Config):
             state["pq"] += n
         del snaps
         # 8. teacher RLOO update: every completion of X_k gets A_k
-        with rloo.timed("teacher_update"):
+        with common.timed("teacher_update"):
             adv = teacher_advantages(R_k)
-            rows = rloo.my_share([(s, adv[i // n]) for i, (s, _) in enumerate(kept)])
+            rows = common.my_share([(s, adv[i // n]) for i, (s, _) in enumerate(kept)])
             stats = rloo.train_step(run.teacher, [s.prompt_token_ids for s, _ in rows],
                                     [s.token_ids for s, _ in rows], [a for _, a in rows],
                                     loss=rloo.rloo_loss, temperature=cfg.temperature,
                                     micro_batch_tokens=cfg.micro_batch_tokens)
         state["step"] = step + 1
-        acc0_groups = rloo.all_gather(acc0)[::run.mesh["fsdp"].size()]   # group 0's is acc0
+        acc0_groups = common.all_gather(acc0)[::run.mesh["fsdp"].size()]   # group 0's is acc0
         row = dict(step=step, acc0=acc0, acc0_groups=acc0_groups, R=R, R_k=R_k, reward=reward,
                    ma=ma, promoted=bool(chosen), promoted_k=chosen[0] if chosen else None,
                    promoted_j=chosen[1] if chosen else None, promotions=state["promotions"],
                    inner_steps=S, teacher_valid_rate=len(kept) / sampled, teacher_samples=sampled,
                    teacher_loss=stats["loss"], teacher_kl=stats["kl"], snapshots=held,
-                   **{k: round(v, 3) for k, v in rloo.TIMES.items()},
+                   **{k: round(v, 3) for k, v in common.TIMES.items()},
                    total=round(time.perf_counter() - t_step, 3))
         row.update(counts(cfg, run))
         pq_rows = [{"question": q, "answer": a, "step": step}
@@ -248,12 +249,12 @@ def main(cfg: Config):
                   for k, X in enumerate(datasets) for q, a in X]   # the curriculum
         commit_step(cfg, run, state, theta, {"metrics.jsonl": [row], "pq.jsonl": pq_rows,
                                              "questions.jsonl": q_rows}, promoted=bool(chosen))
-        if rloo.rank0():
+        if common.rank0():
             bar.write(f"step {step + 1}/{cfg.outer_steps}  reward {reward:+.3f}  MA "
                       f"{'-' if ma is None else f'{ma:+.3f}'}  promotions {state['promotions']}  "
                       f"valid {len(kept) / sampled:.0%}  {row['total']:.0f} s")
-    rloo.print0(f"done: {cfg.out}/metrics.jsonl, {pq_path} ({state['pq']} promotion questions), "
-                f"{cfg.out}/teacher, {cfg.out}/student")
+    common.print0(f"done: {cfg.out}/metrics.jsonl, {pq_path} ({state['pq']} promotion questions), "
+                  f"{cfg.out}/teacher, {cfg.out}/student")
     if run.wandb:
         run.wandb["run"].finish()
 
@@ -279,26 +280,26 @@ def grounded(cfg: Config, run, theta, datasets, q_r, acc0, step, state):
     mine = students(cfg)[my_group::G]
     for k, j in mine:
         rloo.restore(run.student, theta)
-        with rloo.timed("student_training"):
+        with common.timed("student_training"):
             rloo.reset_optimizer(run.student, lr=cfg.student_lr, warmup_steps=0, total_steps=S)
             order = list(range(len(datasets[k])))
-            random.Random(rloo.seed_of(cfg.seed, step, "order", k, j)).shuffle(order)
+            random.Random(common.seed_of(cfg.seed, step, "order", k, j)).shuffle(order)
             for s in range(S):
                 batch = [datasets[k][order[(s * cfg.student_questions + i) % len(order)]]
                          for i in range(cfg.student_questions)]
                 rloo.student_step(run.student, run.llm, batch, samples=cfg.student_samples,
                                   temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
-                                  seed=rloo.seed_of(cfg.seed, step, "student", k, j, s),
+                                  seed=common.seed_of(cfg.seed, step, "student", k, j, s),
                                   group=run.mesh["fsdp"].get_group(),
                                   micro_batch_tokens=cfg.micro_batch_tokens,
                                   advantages=rloo.rloo_advantages, loss=rloo.rloo_loss)
-        with rloo.timed("sync"):
+        with common.timed("sync"):
             rloo.sync_weights(run.student, run.llm)
-        with rloo.timed("evaluation"):
+        with common.timed("evaluation"):
             R[k, j] = accuracy(cfg, run.llm, q_r, run.mesh["fsdp"].get_group()) - acc0
         if keep and (k, j) != mine[-1]:
             snaps[k, j] = rloo.snapshot(run.student)
-    parts = rloo.all_gather((R, len(snaps)))
+    parts = common.all_gather((R, len(snaps)))
     R = {kj: v for part, _ in parts for kj, v in part.items()}
     return [[R[k, j] for j in range(cfg.students)]
             for k in range(cfg.num_datasets)], snaps, max(n for _, n in parts)
@@ -308,10 +309,10 @@ def solve_rates(cfg: Config, llm, datasets, step) -> tuple[list[str], list[float
     """the questions of the g datasets, flat, and the baseline student's solve rate on each (its
     weights are in the engines already): what the intrinsic rewards are made of"""
     flat = [{"question": q, "answer": a} for X in datasets for q, a in X]
-    with rloo.timed("evaluation"):
+    with common.timed("evaluation"):
         counts = rloo.correct_counts(llm, flat, n=cfg.learnability_samples, group=dist.group.WORLD,
                                      temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
-                                     seed=rloo.seed_of(cfg.seed, step, "learnability"))
+                                     seed=common.seed_of(cfg.seed, step, "learnability"))
     return [q["question"] for q in flat], [c / cfg.learnability_samples for c in counts]
 
 
@@ -354,7 +355,7 @@ def promote(cfg: Config, run, chosen, snaps, theta):
     src = students(cfg).index(chosen) % run.mesh["group"].size()   # the group that trained it
     if run.mesh.get_local_rank("group") == src:
         theta = snaps[chosen] if chosen in snaps else rloo.snapshot(run.student)
-    with rloo.timed("sync"):
+    with common.timed("sync"):
         rloo.broadcast_snapshot(theta, src, run.mesh["group"].get_group())
     return theta
 
@@ -385,7 +386,7 @@ def student_groups(cfg: Config, world_size: int) -> int:
 def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
     """What in the settings cannot work, each naming its flag (layout: METHOD.md "Scale layout")."""
     students, G = cfg.num_datasets * cfg.students, student_groups(cfg, world_size)
-    return rloo.too_small(cfg, COUNTS) + [msg for bad, msg in [
+    return common.too_small(cfg, COUNTS) + [msg for bad, msg in [
         (cfg.num_datasets < 2, f"--num_datasets {cfg.num_datasets}: RLOO over datasets "
                                "needs g >= 2"),
         (TEACHER_REWARDS[cfg.reward].promotes and cfg.students < 1,
@@ -405,28 +406,28 @@ def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
 
 
 def setup(cfg: Config) -> Run | None:
-    _, world_size, device = rloo.init_distributed()
+    _, world_size, device = common.init_distributed()
     tok = rloo.tokenizer(cfg.model)
     if not cfg.train:
         raise SystemExit("--train is required with --model: the hard train split "
                          "(jsonl/parquet, question/answer)")
     made = not os.path.exists(cfg.out)   # (then removed again if the settings cannot work)
-    rloo.lock_folder(cfg.out)   # one run per folder: a second one is refused at once
-    hard = rloo.on_rank0(data.load_problems, cfg.train)   # one list: drops rest on timeouts
+    common.lock_folder(cfg.out)   # one run per folder: a second one is refused at once
+    hard = common.on_rank0(data.load_problems, cfg.train)   # one list: drops rest on timeouts
     seq_len = rloo.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
                               cfg.teacher_max_tokens)
     if problems := check(cfg, world_size, len(hard), seq_len):
-        if made and rloo.rank0():
+        if made and common.rank0():
             shutil.rmtree(cfg.out)
         raise SystemExit("soar.py: error: these settings cannot work:\n  " + "\n  ".join(problems))
-    ckpt, state = rloo.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
+    ckpt, state = common.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
     state = state or dict(step=0, history=[], promotions=0, pq=0, archive=[])
-    rloo.restore_rows(cfg.out, ckpt, OUTPUTS)   # the files hold exactly the committed steps
+    common.restore_rows(cfg.out, ckpt, OUTPUTS)   # the files hold exactly the committed steps
     wb = {}   # rank 0 with --wandb: the W&B run and the first step it does not hold
     if cfg.wandb:
-        rloo.on_rank0(track, cfg, state, wb)   # its error (no login) ends every rank
-    if state["step"] >= cfg.outer_steps and not rloo.on_rank0(rloo.hf_behind, cfg.out, state):
-        rloo.print0(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
+        common.on_rank0(track, cfg, state, wb)   # its error (no login) ends every rank
+    if state["step"] >= cfg.outer_steps and not common.on_rank0(common.hf_behind, cfg.out, state):
+        common.print0(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
         return None
 
     G = student_groups(cfg, world_size)
@@ -441,18 +442,19 @@ def setup(cfg: Config) -> Run | None:
                                total_steps=1, kl_coef=cfg.kl_coef,
                                activation_checkpointing=cfg.activation_checkpointing)
     if ckpt:
-        rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
-        rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta: weights
+        common.load_state(teacher, os.path.join(ckpt, "teacher"))
+        common.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta
     n_params = sum(p.numel() for p in teacher.model.parameters())
-    size = lambda n_bytes: rloo.readable(n_bytes, rloo.BYTES)  # noqa: E731
-    rloo.print0(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model "
-                f"{cfg.model} ({rloo.readable(n_params)} parameters); out {cfg.out}; "
-                f"{'resuming at' if ckpt else 'starting at'} step {state['step']} of "
-                f"{cfg.outer_steps}\nwritten per step: checkpoint {size(12 * n_params)} "
-                f"(teacher fp32 weights + AdamW; the student's {size(4 * n_params)} of "
-                f"weights only after a promotion), HF folders "
-                f"{size(n_params * teacher.save_dtype.itemsize)} each every {cfg.save_every} steps")
-    if rloo.rank0() and (free := shutil.disk_usage(cfg.out).free) < 32 * n_params:
+    size = lambda n_bytes: common.readable(n_bytes, common.BYTES)  # noqa: E731
+    common.print0(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model "
+                  f"{cfg.model} ({common.readable(n_params)} parameters); out {cfg.out}; "
+                  f"{'resuming at' if ckpt else 'starting at'} step {state['step']} of "
+                  f"{cfg.outer_steps}\nwritten per step: checkpoint {size(12 * n_params)} "
+                  f"(teacher fp32 weights + AdamW; the student's {size(4 * n_params)} of "
+                  f"weights only after a promotion), HF folders "
+                  f"{size(n_params * teacher.save_dtype.itemsize)} each every {cfg.save_every} "
+                  "steps")
+    if common.rank0() and (free := shutil.disk_usage(cfg.out).free) < 32 * n_params:
         print(f"soar.py: warning: {size(free)} free in {cfg.out}, less than two checkpoints "
               f"({size(32 * n_params)}): a save may fail", file=sys.stderr)
     return Run(mesh, tok, llm, teacher, student, rloo.snapshot(student), hard, state, n_params, wb)
@@ -462,15 +464,15 @@ def track(cfg: Config, state: dict, wb: dict) -> None:
     """(rank 0, --wandb) wb = {"run": the run's W&B run, "next": the first step it does not hold}.
     Its id is kept in the checkpoint state (and in out/wandb.json until the first checkpoint): a
     resumed run continues the same W&B run. It first logs the committed rows W&B does not hold
-    (rloo.tracked_steps), so each step is logged once, whatever a kill lost."""
+    (common.tracked_steps), so each step is logged once, whatever a kill lost."""
     path = os.path.join(cfg.out, "wandb.json")
     if "wandb" not in state:
         state["wandb"] = data.read_json(path)["id"] if os.path.exists(path) else \
             secrets.token_hex(4)
         data.write_json(path, {"id": state["wandb"]})
-    run = rloo.tracker(cfg.wandb, cfg.wandb_name, cfg.out, dataclasses.asdict(cfg),
-                       state["wandb"])
-    wb.update(run=run, next=rloo.tracked_steps(run, cfg.out))
+    run = common.tracker(cfg.wandb, cfg.wandb_name, cfg.out, dataclasses.asdict(cfg),
+                         state["wandb"])
+    wb.update(run=run, next=common.tracked_steps(run, cfg.out))
     log_rows(wb, data.read_jsonl(os.path.join(cfg.out, "metrics.jsonl")))
 
 
@@ -486,11 +488,11 @@ def counts(cfg: Config, run: Run) -> dict:
     """The step's counts over all ranks: grading faults, skipped updates, tokens generated and
     trained per phase; tokens/s per GPU per phase and, on a GPU of known peak, training phases' MFU:
     6N FLOP/trained token, 8N with the KL reference's forward (excl. attention, recomputation)."""
-    row, W, peak = ({"skipped_updates": 0, **rloo.gather_counts()}, dist.get_world_size(),
-                    rloo.peak_flops())
+    row, W, peak = ({"skipped_updates": 0, **common.gather_counts()}, dist.get_world_size(),
+                    common.peak_flops())
     for phase in sorted({k.split("/")[2] for k in row if k.startswith("tokens/")}):
         n, secs = sum(v for k, v in row.items()
-                      if k.startswith("tokens/") and k.endswith("/" + phase)), rloo.TIMES[phase]
+                      if k.startswith("tokens/") and k.endswith("/" + phase)), common.TIMES[phase]
         row[f"perf/tokens_per_s_per_gpu/{phase}"] = round(n / max(secs, 1e-9) / W, 1)
         if peak and f"tokens/trained/{phase}" in row:
             flops = (6 + 2 * (cfg.kl_coef > 0)) * run.n_params * row[f"tokens/trained/{phase}"]
@@ -504,10 +506,10 @@ def commit_step(cfg: Config, run: Run, state: dict, theta, rows: dict, promoted:
     row (--wandb); then, every save_every steps and at the end, the HF folders teacher/ and
     student/."""
     rloo.restore(run.student, theta)   # checkpoint and outputs hold theta, not the last student
-    rloo.save_checkpoint(cfg.out, state["step"],
-                         {"teacher": (run.teacher, True), "student": (run.student, False)},
-                         {**state, "config": dataclasses.asdict(cfg)},
-                         unchanged=() if promoted else ("student",), rows=rows)
+    common.save_checkpoint(cfg.out, state["step"],
+                           {"teacher": (run.teacher, True), "student": (run.student, False)},
+                           {**state, "config": dataclasses.asdict(cfg)},
+                           unchanged=() if promoted else ("student",), rows=rows)
     if run.wandb:
         log_rows(run.wandb, rows["metrics.jsonl"])
     if state["step"] % cfg.save_every == 0 or state["step"] >= cfg.outer_steps:
@@ -520,12 +522,12 @@ def save_hf(cfg: Config, run: Run, state: dict) -> None:
     tag = {"step": state["step"], "promotions": state["promotions"]}
     rloo.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok, state["step"],
                  {"soar.json": tag})
-    if rloo.on_rank0(rloo.hf_behind, cfg.out, state, ("student",)):
+    if common.on_rank0(common.hf_behind, cfg.out, state, ("student",)):
         rloo.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok, state["step"],
                      {"soar.json": tag})
 
 
 if __name__ == "__main__":
     cfg = parse_args()
-    with rloo.clean_exit("soar.py"):
+    with common.clean_exit("soar.py"):
         main(cfg)

@@ -262,8 +262,8 @@ def train_model(model_dir: str, r: dict, seed: int) -> None:
     in model_dir. Data parallel over r["procs"] processes (gloo) of one thread each: the result
     depends on the recipe and the seed only, not on the machine's cores."""
     import torch.multiprocessing as mp
-    import rloo
-    port = rloo.free_port()
+    import common
+    port = common.free_port()
     mp.spawn(_train_rank, args=(r["procs"], port, model_dir, r, seed), nprocs=r["procs"])
 
 
@@ -392,8 +392,9 @@ def measure(model_dir: str, r: dict, seed: int, log=print) -> tuple[dict, list[d
     counts)."""
     import torch
     torch.set_num_threads(1)  # before the engine: vLLM's CPU worker forbids changing it afterwards
+    import common
     import rloo
-    rloo.init_distributed()  # a 1-rank group: build_engine's external_launcher wants one
+    common.init_distributed()  # a 1-rank group: build_engine's external_launcher wants one
     llm = rloo.build_engine(model_dir, max_model_len=MAX_MODEL_LEN, seed=seed)
     t0 = time.time()
     teacher = rloo.generate(llm, [data.teacher_prompt(llm.get_tokenizer())], n=r["teacher_samples"],
@@ -565,10 +566,10 @@ def resolve(cfg):
     if cfg.model:
         return cfg
     import dataclasses
-    import rloo
-    rloo.init_distributed()
+    import common
+    common.init_distributed()
     paths = build_world_all_ranks(small=cfg.world == "small")
-    if rloo.dist.get_rank() == 0:
+    if common.rank0():
         st = data.read_json(paths["stats"])
         print(f"built-in world ({cfg.world}): fingerprint {st['fingerprint']}, "
               f"{st['train']} train / {st['test']} test hard problems", flush=True)

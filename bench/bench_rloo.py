@@ -13,7 +13,7 @@ model-FLOP utilisation. A random model of the chosen shape is written first (no 
 MFU counts 6*N*tokens for the policy forward+backward and 2*N*tokens for the reference
 forward (N = all parameters, lm_head counted once when tied; attention FLOPs and activation
 recomputation not counted), over a bf16 matmul measured in the same run (GPU) and over the
-GPU's spec-sheet peak (rloo.PEAK_TFLOPS).
+GPU's spec-sheet peak (common.PEAK_TFLOPS).
 """
 import argparse
 import os
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import common  # noqa: E402
 import rloo  # noqa: E402
 
 SHAPES = {  # LlamaConfig fields; head_dim 64 everywhere (the CPU attention kernels want >= 32)
@@ -108,7 +109,7 @@ def main():
     rollouts, plen, glen = args.rollouts or rollouts, args.prompt_len or plen, args.gen_len or glen
     mbt, ac = args.micro_batch_tokens or mbt, ac and not args.no_activation_checkpointing
 
-    rank, world, dev = rloo.init_distributed()
+    rank, world, dev = common.init_distributed()
     peak_measured = matmul_tflops(dev)
     path = os.path.join(args.workdir, args.shape)
     n_params = make_model(path, args.shape, dev) if rank == 0 else 0   # printed by rank 0
@@ -141,7 +142,7 @@ def main():
     comps = [torch.randint(2, vocab, (glen,), generator=g).tolist() for _ in range(rollouts)]
     prm = [prompts[i % n_prompts] for i in range(rollouts)]
     adv = torch.randn(rollouts, generator=g).tolist()
-    lo, hi = rloo.chunk(rollouts, rank, world)
+    lo, hi = common.chunk(rollouts, rank, world)
     step = lambda: rloo.train_step(pol, prm[lo:hi], comps[lo:hi], adv[lo:hi],  # noqa: E731
                                    loss=rloo.rloo_loss, temperature=1.0, micro_batch_tokens=mbt)
     timed(step, dev)   # warm-up (allocator, optimizer state)
@@ -156,7 +157,7 @@ def main():
         seq_tokens = rollouts * (plen + glen)   # tokens through the model in the train step
         flops = 8 * n_params * seq_tokens       # 6N train + 2N reference
         achieved = flops / t_train / world / 1e12
-        spec = rloo.peak_flops()
+        spec = common.peak_flops()
         print(f"shape {args.shape}: {n_params / 1e6:.1f} M params, {world} rank(s) on "
               f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, "
               f"activation checkpointing {ac}, micro-batch {mbt} tokens")

@@ -122,7 +122,7 @@ def test_rows_cut_short_or_garbled_come_back_from_the_checkpoint(full_run, tmp_p
             in p.stderr
     same_as_reference(out, full_run)
     # killed while writing the HF folders at the end: teacher/ still holds step 2; the rerun
-    # rewrites it (eval.py would refuse it meanwhile: rloo.hf_behind)
+    # rewrites it (eval.py would refuse it meanwhile: common.hf_behind)
     tag = json.loads((out / "teacher" / "soar.json").read_text())
     (out / "teacher" / "soar.json").write_text(json.dumps({**tag, "step": 2}))
     p = soar(out)
@@ -200,9 +200,9 @@ def test_one_run_per_folder_and_ranks_die_with_their_launcher(tmp_path):
 
 @pytest.mark.parametrize("flock", [True, False])
 def test_lock_folder_refuses_a_second_holder_and_frees_with_the_first(flock, tmp_path):
-    """the lock eval.py takes on each run folder (rloo.lock_folder), outside any SOAR run; without
+    """the lock eval.py takes on each run folder (common.lock_folder), outside any SOAR run; without
     flock (some NFS, FUSE mounts) a .lock.pid file, taken over once its holder is dead"""
-    take = ("import sys, time, rloo; rloo.init_distributed(); rloo.lock_folder(sys.argv[1]); "
+    take = ("import sys, time, rloo; common.init_distributed(); common.lock_folder(sys.argv[1]); "
             "print('locked', flush=True); time.sleep(600)")
     if not flock:
         take = ("import errno, fcntl\ndef no(*a): raise OSError(errno.ENOLCK, 'No locks')\n"

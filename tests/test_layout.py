@@ -1,5 +1,5 @@
-"""The shape of the code: one library (rloo.py, data.py), the built-in world on top of it, two
-scripts that import only those; docs that stand on their own."""
+"""The shape of the code: the libraries (rloo.py, common.py, data.py), the built-in world on top
+of them, two scripts that import only those; docs that stand on their own."""
 import ast
 import glob
 import json
@@ -11,10 +11,11 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OURS = {"data", "rloo", "world", "soar", "eval"}
+OURS = {"data", "common", "rloo", "world", "soar", "eval"}
 # what each module may pull in, directly or through another one
-ALLOWED = {"data": {"data"}, "rloo": {"rloo", "data"}, "world": {"world", "data"},
-           "soar": {"soar", "rloo", "data", "world"}, "eval": {"eval", "rloo", "data", "world"}}
+ALLOWED = {"data": {"data"}, "common": {"common", "data"}, "rloo": {"rloo", "common", "data"},
+           "world": {"world", "data"}, "soar": {"soar", "rloo", "common", "data", "world"},
+           "eval": {"eval", "rloo", "common", "data", "world"}}
 
 
 @pytest.mark.parametrize("module", sorted(OURS))
@@ -64,6 +65,6 @@ def test_top_level_holds_the_design_card():
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True,
                              text=True).stdout.split()
     top = {f.split("/")[0] for f in tracked if not f.startswith(".")}
-    assert top == {"soar.py", "rloo.py", "data.py", "eval.py", "world.py", "README.md", "METHOD.md",
-                   "requirements.txt", "run.sh", "soar.sbatch", "tests", "bench", "docs",
-                   "pyproject.toml"}   # (soar.sbatch: run.sh's counterpart on SLURM)
+    assert top == {"soar.py", "rloo.py", "common.py", "data.py", "eval.py", "world.py", "README.md",
+                   "METHOD.md", "requirements.txt", "run.sh", "soar.sbatch", "tests", "bench",
+                   "docs", "pyproject.toml"}   # (soar.sbatch: run.sh's counterpart on SLURM)

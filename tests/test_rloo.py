@@ -13,6 +13,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
+import common  # noqa: E402
 import rloo  # noqa: E402
 from rloo_dist_worker import PROMPTS, make_tiny_model  # noqa: E402
 
@@ -62,8 +63,8 @@ def test_rloo_advantages_by_hand():
 
 
 def test_readable_units():
-    assert [rloo.readable(n) for n in (6.1e5, 1.2e8, 3.2125e9)] == ["0.61 M", "120 M", "3.21 B"]
-    assert rloo.readable(7.3e6, ((1e9, "GB"), (1e6, "MB"))) == "7.3 MB"
+    assert [common.readable(n) for n in (6.1e5, 1.2e8, 3.2125e9)] == ["0.61 M", "120 M", "3.21 B"]
+    assert common.readable(7.3e6, ((1e9, "GB"), (1e6, "MB"))) == "7.3 MB"
 
 
 def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
@@ -71,7 +72,7 @@ def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
         (tmp_path / "step-5").mkdir()
         (tmp_path / "step-5" / "f").write_text(str(n))
         suffix = ".damaged" + ("" if n == 1 else f"-{n}")
-        assert rloo.set_aside(str(tmp_path / "step-5")) == str(tmp_path / f"step-5{suffix}")
+        assert common.set_aside(str(tmp_path / "step-5")) == str(tmp_path / f"step-5{suffix}")
         assert (tmp_path / f"step-5{suffix}" / "f").read_text() == str(n)
     assert not (tmp_path / "step-5").exists()
 
@@ -79,8 +80,8 @@ def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
 def test_micro_batches_and_chunks():
     assert rloo._micro_batches([5, 9, 2, 9], 20) == [[1, 3], [0, 2]]
     assert rloo._micro_batches([30], 8) == [[0]]            # an over-long row still runs alone
-    assert [rloo.chunk(7, r, 2) for r in range(2)] == [(0, 4), (4, 7)]
-    assert [rloo.chunk(1, r, 3) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
+    assert [common.chunk(7, r, 2) for r in range(2)] == [(0, 4), (4, 7)]
+    assert [common.chunk(1, r, 3) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
 
 
 def test_loss_and_update_match_hand_computation(runs):

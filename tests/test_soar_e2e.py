@@ -55,7 +55,7 @@ def test_outputs_are_consistent(full_run):
                for r in qs)
     assert [{k: r[k] for k in ("question", "answer", "step")} for r in qs
             if r["k"] == metrics[r["step"]]["promoted_k"]] == pq
-    assert sorted(os.listdir(out / "ckpt")) == ["step-2", "step-3"]   # newest two (rloo.KEEP_CKPTS)
+    assert sorted(os.listdir(out / "ckpt")) == ["step-2", "step-3"]   # the newest KEEP_CKPTS
     assert not (out / "wandb").exists() and not (out / "wandb.json").exists()   # no --wandb
     state = json.loads((out / "ckpt" / "step-3" / "state.json").read_text())
     assert state["step"] == 3 and state["promotions"] == 3 and state["pq"] == 12
@@ -112,7 +112,7 @@ def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_
     import world
     rng = random.Random(0)
     sums = [world.make_problem(rng, "add", 1)["question"] for _ in range(40)]
-    code = ("import json, sys, data, rloo; rloo.init_distributed(); llm = rloo.build_engine("
+    code = ("import json, sys, data, rloo; common.init_distributed(); llm = rloo.build_engine("
             "sys.argv[1], max_model_len=320); qs = json.loads(sys.argv[2]); outs = rloo.generate("
             "llm, [data.student_prompt(q) for q in qs], temperature=0.0, max_tokens=96, seed=0); "
             "print('ANSWERS', json.dumps([data.last_boxed(o[0].text) for o in outs]))")
