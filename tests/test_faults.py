@@ -202,7 +202,7 @@ def test_one_run_per_folder_and_ranks_die_with_their_launcher(tmp_path):
 def test_lock_folder_refuses_a_second_holder_and_frees_with_the_first(flock, tmp_path):
     """the lock eval.py takes on each run folder (common.lock_folder), outside any SOAR run; without
     flock (some NFS, FUSE mounts) a .lock.pid file, taken over once its holder is dead"""
-    take = ("import sys, time, rloo; common.init_distributed(); common.lock_folder(sys.argv[1]); "
+    take = ("import sys, time, common; common.init_distributed(); common.lock_folder(sys.argv[1]); "
             "print('locked', flush=True); time.sleep(600)")
     if not flock:
         take = ("import errno, fcntl\ndef no(*a): raise OSError(errno.ENOLCK, 'No locks')\n"
