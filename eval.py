@@ -459,7 +459,7 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
                 common.save_checkpoint(out, step, {"policy": (policy, True)},
                                        {"step": step, "config": config},
                                        rows={"metrics.jsonl": metrics[committed[0]:],
-                                           "evals.jsonl": evals[committed[1]:]})
+                                             "evals.jsonl": evals[committed[1]:]})
                 committed = (len(metrics), len(evals))
     res = dict(method=os.path.basename(os.path.dirname(out)), test=cfg.test, seed=seed,
                mode=cfg.mode, samples=cfg.student_samples, steps_done=step,

@@ -135,8 +135,9 @@ def engine_len(tok, questions: list[str], student_max_tokens: int,
 
 def grade(completions: list[str], golds: list[str], group=None) -> list[float]:
     """data.grade (METHOD.md "Rewards"), split over the ranks of group"""
-    return common.split_map(lambda pairs: data.grade([c for c, _ in pairs], [g for _, g in pairs]),
-                     list(zip(completions, golds)), group)
+    return common.split_map(lambda pairs: data.grade([c for c, _ in pairs],
+                                                     [g for _, g in pairs]),
+                            list(zip(completions, golds)), group)
 
 
 def correct_counts(llm, problems: list[dict], *, n: int, max_tokens: int, seed: int,
