@@ -1,6 +1,7 @@
 """Fault injection: what a cluster does to a two-day run, done to soar.py on the small built-in
 world (torchrun, 2 ranks, real engines). Every interrupted run must end equal to the uninterrupted
 reference (conftest.full_run): same metrics.jsonl (timings aside), pq.jsonl and questions.jsonl."""
+import contextlib
 import json
 import os
 import re
@@ -29,37 +30,81 @@ def same_as_reference(out, full_run):
 WANDB = ("--wandb", "soar-tests", "--wandb_name", "killed")   # (offline: conftest)
 
 
+def two_nodes(out, *extra):
+    """soar.py on two launchers of one rank each: two simulated nodes (c10d rendezvous on
+    localhost); their logs"""
+    port = str(29500 + os.getpid() % 1000)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+              "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+              "two-nodes", os.path.join(ROOT, "soar.py"), "--out", str(out), *FLAGS, *extra]
+    nodes = [subprocess.Popen(launch, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    logs = [n.communicate(timeout=900)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    return "".join(logs)
+
+
 @pytest.fixture(scope="module")
-def killed_three_times(full_run, tmp_path_factory):
-    """SIGKILL every process of the run at three moments, resuming after each: early in step 1 (the
-    teacher samples), well into step 2 (students train), and while step 2's checkpoint is written;
-    each run logs to W&B (offline: conftest), which must not change a thing"""
+def faulted(full_run, tmp_path_factory):
+    """One run through what a cluster does to a two-day run, resumed after each fault:
+    - a full disk: files capped at 1 MB (RLIMIT_FSIZE: no root needed), smaller than a teacher
+      shard, so the first checkpoint cannot be written;
+    - a second run started on the live folder, then kill -9 of the launcher alone, early in
+      step 1 (the teacher samples);
+    - SIGKILL of every process well into step 2 (students train), and while step 2's checkpoint
+      is written;
+    - the rest of the run on two simulated nodes.
+    The last three launches log to W&B (offline: conftest), which must not change a thing.
+    Returns the folder and what each launch printed."""
+    import resource
     out = tmp_path_factory.mktemp("faults") / "k"
-    logs = []
-    for moment, delay in ((out / "ckpt" / "step-1", 0.3), (out / "ckpt" / "step-2", 1.0),
-                          (out / "ckpt" / "step-3.tmp", 0.0)):
+    cap = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # noqa: E731
+    logs = dict(full_disk=soar(out, preexec_fn=cap))
+    a = soar(out, wait=False)
+    lock = out / ".lock"   # (the full disk's run left its own: wait for a's rank 0 to hold it)
+    while not (m := re.search(r"pid (\d+)", lock.read_text() if lock.exists() else "")) or \
+            int(m.group(1)) not in descendants(a.pid):
+        assert a.poll() is None, a.stdout.read()[-3000:]
+        time.sleep(0.05)
+    logs["holder"] = m.group(1)
+    t0 = time.time()
+    logs["second"] = soar(out)   # on the live folder
+    logs["second_seconds"] = time.time() - t0
+    wait_for(out / "ckpt" / "step-1", a, delay=0.3)
+    procs = descendants(a.pid)
+    os.kill(a.pid, 9)
+    a.wait()
+    deadline = time.time() + 30
+    while any(map(alive, procs)) and time.time() < deadline:
+        time.sleep(0.2)
+    logs["procs"], logs["orphans"] = procs, [pid for pid in procs if alive(pid)]
+    for pid in logs["orphans"]:   # (so that the next launch is not held up by them)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    logs["launcher_killed"] = a.stdout.read()
+    for moment, delay in ((out / "ckpt" / "step-2", 1.0), (out / "ckpt" / "step-3.tmp", 0.0)):
         p = soar(out, *WANDB, wait=False)
         wait_for(moment, p, delay=delay)
         kill_all(p)
-        logs.append(p.stdout.read())
+        logs[moment.name] = p.stdout.read()
         assert not (out / "ckpt" / "step-3").exists(), "the run finished before the kill"
-    q = soar(out, *WANDB)
-    assert q.returncode == 0, q.stdout[-3000:] + q.stderr[-3000:]
-    return out, logs + [q.stdout]
+    logs["two_nodes"] = two_nodes(out, *WANDB)
+    return out, logs
 
 
-def test_killed_runs_resume_to_the_same_result(killed_three_times, full_run):
-    out, logs = killed_three_times
-    assert all("resuming at step" in log for log in logs[1:])
+def test_killed_runs_resume_to_the_same_result(faulted, full_run):
+    out, logs = faulted
+    assert all("resuming at step" in logs[k] for k in ("step-2", "step-3.tmp", "two_nodes"))
+    assert "SOAR: 2 ranks, 2 student groups of 1" in logs["two_nodes"]
     same_as_reference(out, full_run)
     assert sorted(os.listdir(out / "ckpt")) == ["step-2", "step-3"]     # no .tmp left behind
     assert os.path.islink(out / "teacher") and (out / "teacher" / "config.json").exists()
 
 
-def test_damaged_checkpoint_falls_back_to_the_one_before(killed_three_times, full_run):
+def test_damaged_checkpoint_falls_back_to_the_one_before(faulted, full_run):
     """4 KiB flipped in one teacher shard (its size unchanged: the CRC finds it), the other cut
     short: both are reported, step 3 is set aside, the run resumes from step 2"""
-    out, _ = killed_three_times
+    out, _ = faulted
     flipped, cut = sorted((out / "ckpt" / "step-3" / "teacher").glob("*.distcp"))
     size = os.path.getsize(flipped)
     with open(flipped, "r+b") as f:
@@ -81,11 +126,11 @@ def test_damaged_checkpoint_falls_back_to_the_one_before(killed_three_times, ful
     same_as_reference(out, full_run)
 
 
-def test_a_killed_run_is_one_wandb_run_with_each_step_once(killed_three_times):
-    """five processes (three killed, one resumed to the end, one fallen back a step) made five
-    offline W&B runs of one id: together they hold each metrics.jsonl row once, at its step, with
-    its keys and values, and the run's settings as config"""
-    out, _ = killed_three_times
+def test_a_killed_run_is_one_wandb_run_with_each_step_once(faulted):
+    """four processes (two killed, one resumed to the end on two nodes, one fallen back a step)
+    made four offline W&B runs of one id: together they hold each metrics.jsonl row once, at its
+    step, with its keys and values, and the run's settings as config"""
+    out, _ = faulted
     run_id = json.loads((out / "wandb.json").read_text())["id"]
     state = json.loads((out / "ckpt" / "step-3" / "state.json").read_text())
     assert state["wandb"] == run_id
@@ -131,35 +176,23 @@ def test_rows_cut_short_or_garbled_come_back_from_the_checkpoint(full_run, tmp_p
     same_as_reference(out, full_run)
 
 
-def test_a_full_disk_ends_in_one_line_and_the_rerun_resumes_on_two_nodes(full_run, tmp_path):
-    """files capped at 1 MB (RLIMIT_FSIZE: no root needed), smaller than a teacher shard: the first
-    checkpoint cannot be written. One line names it and the space; no .tmp stays. The rerun, with
-    room, on two launchers of one rank each (two simulated nodes: c10d rendezvous on localhost),
-    ends equal to the 2-rank reference"""
-    import resource
-    out = tmp_path / "d"
-    cap = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # noqa: E731
-    p = soar(out, preexec_fn=cap)
-    assert p.returncode != 0
+def test_a_full_disk_ends_in_one_line_and_the_rerun_starts_over(faulted):
+    """(faulted's first launch) one line names the checkpoint and the space; no .tmp stays; the
+    next launch starts over in the same folder"""
+    out, logs = faulted
+    err = logs["full_disk"].stderr
+    assert logs["full_disk"].returncode != 0
     line = f"soar.py: error: cannot write the checkpoint {out / 'ckpt' / 'step-1.tmp'} ("
-    assert line in p.stderr and "B are free there" in p.stderr, p.stderr[-3000:]
-    assert p.stderr.count("soar.py: error:") == 1 and not OURS.search(p.stderr)
+    assert line in err and "B are free there" in err, err[-3000:]
+    assert err.count("soar.py: error:") == 1 and not OURS.search(err)
+    assert "starting at step 0" in logs["launcher_killed"]
     assert not (out / "ckpt" / "step-1.tmp").exists()
-    port = str(29500 + os.getpid() % 1000)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
-              "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
-              "two-nodes", os.path.join(ROOT, "soar.py"), "--out", str(out), *FLAGS]
-    nodes = [subprocess.Popen(launch, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for _ in range(2)]
-    logs = [n.communicate(timeout=900)[0] for n in nodes]
-    assert [n.returncode for n in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    assert "SOAR: 2 ranks, 2 student groups of 1" in "".join(logs)
-    same_as_reference(out, full_run)
 
 
 @pytest.mark.parametrize("flags,says", [
-    (["--students", "0", "--qr_size", "0", "--inner_steps", "0"],
-     ["--students 0: need r >= 1", "--qr_size 0: each step samples", "--inner_steps 0: need at"]),
+    (["--students", "0", "--qr_size", "100000", "--inner_steps", "0", "--window", "0"],
+     ["--students 0: need r >= 1", "--qr_size 100000: each step samples M=100000",
+      "--inner_steps 0: need at", "--window 0"]),
     (["--model", "/no/such/model"], ["--model /no/such/model: neither an HF model folder nor"]),
     (["--out", "/sys/soar"], ["/sys/soar: cannot write there"]),
 ])
@@ -173,29 +206,16 @@ def test_bad_input_ends_in_one_line(flags, says, tmp_path):
     assert not out.exists()                                            # nothing left behind
 
 
-def test_one_run_per_folder_and_ranks_die_with_their_launcher(tmp_path):
-    out = tmp_path / "l"
-    a = soar(out, wait=False)
-    wait_for(out / ".lock", a)
-    while "pid" not in (out / ".lock").read_text():
-        time.sleep(0.05)
-    holder = re.search(r"pid (\d+)", (out / ".lock").read_text()).group(1)
-    # a second run on the live folder is refused at once, naming the folder and the live process
-    t0 = time.time()
-    b = soar(out)
-    assert b.returncode != 0 and time.time() - t0 < 120
-    assert f"{out} is in use by a live run (pid {holder}" in b.stderr
-    # kill -9 of the launcher alone: its ranks (and what they started) exit within seconds
-    wait_for(out / "ckpt" / "step-1", a)
-    procs = descendants(a.pid)
-    assert len(procs) >= 2
-    os.kill(a.pid, 9)
-    a.wait()
-    deadline = time.time() + 30
-    while any(map(alive, procs)) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not [pid for pid in procs if alive(pid)], "processes outlived their launcher by 30 s"
-    # (that a dead run's lock does not block its resume, killed_three_times shows three times)
+def test_one_run_per_folder_and_ranks_die_with_their_launcher(faulted):
+    """(faulted) a second run on the live folder is refused at once, naming the folder and the live
+    process; after kill -9 of the launcher alone, its ranks (and what they started) exit within
+    seconds; the next launch takes the dead run's lock"""
+    out, logs = faulted
+    b = logs["second"]
+    assert b.returncode != 0 and logs["second_seconds"] < 120
+    assert f"{out} is in use by a live run (pid {logs['holder']}" in b.stderr
+    assert len(logs["procs"]) >= 2
+    assert not logs["orphans"], "processes outlived their launcher by 30 s"
 
 
 @pytest.mark.parametrize("flock", [True, False])

@@ -150,10 +150,7 @@ def test_opensir_teacher(tmp_path):
     assert len(state["archive"]) == 2 * 2 * 4 and all(q.strip() for q in state["archive"])
 
 
-def test_clean_failures(tmp_path):
-    p = soar(tmp_path / "c", "--qr_size", "100000", "--window", "0")
-    assert p.returncode != 0 and "M=100000" in p.stderr and "--window 0" in p.stderr
-    assert p.stderr.count("cannot work") == 1          # rank 0 says it, once
-    assert not (tmp_path / "c").exists()                # and no folder is left behind
+def test_a_teacher_without_valid_pairs_fails_cleanly(tmp_path):
+    """(settings that cannot work: test_faults.test_bad_input_ends_in_one_line)"""
     p = soar(tmp_path / "d", "--teacher_max_tokens", "1", "--max_rejection_rounds", "2")
     assert p.returncode == 1 and "valid question-answer pairs" in p.stdout + p.stderr
