@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+from transformers.cache_utils import Cache, DynamicLayer
 
 import common
 import data
@@ -221,6 +222,8 @@ def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
     model.lm_head.forward = lambda hidden: hidden.clone()
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for layer in model.model.layers:   # else HF drops the cache; ours never appends
+            layer._can_checkpoint_with_cache = True
     mp = MixedPrecisionPolicy(param_dtype=GPU_PARAM_DTYPE if gpu else torch.float32,
                               reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -278,17 +281,59 @@ def _head_logprobs(hidden, weight, targets, temperature):
     return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)
 
 
-def token_logprobs(model, ids, attn, temperature: float = 1.0):
-    """log p(ids[:, t+1] | ids[:, :t+1]) for all t, [B, L-1], fp32, of the logits / temperature
-    (the distribution vLLM samples from at that temperature). The full [tokens, vocab] logits
-    never exist (3B, 16k tokens x 128k vocab: 8 GB in fp32, kept by autograd): the head runs on
-    chunks of positions, each recomputed in backward (checkpoint), its weight read after the forward
-    (lm_head returns its input): FSDP2 keeps the root's parameters gathered until backward."""
-    hidden = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
-    step, weight = max(1, LOGIT_CHUNK_TOKENS // ids.shape[0]), model.lm_head.weight
+class _SharedPrompts(DynamicLayer):
+    """One layer's keys and values of the distinct prompts (token_logprobs). update never appends,
+    so an activation-checkpoint recompute sees what the forward saw: in the prompt pass it keeps
+    the new ones; built with each row's prompt's, it returns them joined to the new ones."""
+    def __init__(self, keys=None, values=None):
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, keys is not None
+        self.read_only = keys is not None
+
+    def update(self, keys, values, *args, **kwargs):
+        if self.read_only:
+            return torch.cat([self.keys, keys], -2), torch.cat([self.values, values], -2)
+        self.keys, self.values, self.is_initialized = keys, values, True
+        return keys, values
+
+
+def _pad(rows: list[list[int]], dev):
+    """right-padded ids and their attention mask"""
+    ids = torch.zeros(len(rows), max(1, *map(len, rows)), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+        attn[b, :len(r)] = 1
+    return ids.to(dev), attn.to(dev)
+
+
+def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
+                   temperature: float = 1.0, dev="cpu"):
+    """log p(c_t | prompt, c_<t) of every completion token, [rows, longest completion], fp32, of
+    the logits / temperature (the distribution vLLM samples from at that temperature), and the
+    mask of real tokens. Each distinct prompt runs once, its keys and values shared by the rows
+    that continue it (METHOD.md "RLOO loss"). The full [tokens, vocab] logits never exist (3B, 16k
+    tokens x 128k vocab: 8 GB in fp32, kept by autograd): the head runs on chunks of positions,
+    each recomputed in backward (checkpoint), its weight read after the forward (lm_head returns
+    its input): FSDP2 keeps the root's parameters gathered until backward."""
+    distinct = {}
+    which = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts],
+                         device=dev)
+    p_ids, p_attn = _pad(list(distinct), dev)
+    c_ids, c_attn = _pad(completions, dev)
+    cache = Cache(layer_class_to_replicate=_SharedPrompts)
+    h_prompt = model(input_ids=p_ids, attention_mask=p_attn, past_key_values=cache,
+                     use_cache=False).logits   # (the cache is ours: passed in, not made)
+    cache = Cache(layers=[_SharedPrompts(c.keys[which], c.values[which]) for c in cache.layers])
+    P = p_attn.sum(1)[which]   # each row's prompt length: its completion's positions follow it
+    h = model(input_ids=c_ids, attention_mask=torch.cat([p_attn[which], c_attn], 1),
+              position_ids=P[:, None] + torch.arange(c_ids.shape[1], device=dev),
+              past_key_values=cache, use_cache=False).logits
+    hidden = torch.cat([h_prompt[which, P - 1, None], h[:, :-1]], 1)   # position t predicts c_t
+    step, weight = max(1, LOGIT_CHUNK_TOKENS // len(completions)), model.lm_head.weight
     return torch.cat([checkpoint(_head_logprobs, hidden[:, i:i + step], weight,
-                                 ids[:, i + 1:i + 1 + step], temperature, use_reentrant=False)
-                      for i in range(0, hidden.shape[1], step)], 1)
+                                 c_ids[:, i:i + step], temperature, use_reentrant=False)
+                      for i in range(0, hidden.shape[1], step)], 1), c_attn.float()
 
 
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -322,25 +367,6 @@ def sept_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(rewards)
 
 
-def _collate(seqs, prompt_lens, advantages, rows, dev):
-    """ids, attention mask, completion mask and advantages of one micro-batch, right-padded; rows
-    None: a one-row dummy (attending to its padding, advantage 0) for a rank with fewer passes"""
-    L = max([len(seqs[i]) for i in rows or []], default=2)
-    ids = torch.zeros(max(len(rows or []), 1), L, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    mask = torch.zeros(ids.shape[0], L - 1)       # 1 on positions that predict a completion token
-    adv = torch.zeros(ids.shape[0], 1)
-    for b, i in enumerate(rows or []):
-        s, P = seqs[i], prompt_lens[i]
-        ids[b, :len(s)] = torch.tensor(s)
-        attn[b, :len(s)] = 1
-        mask[b, P - 1:len(s) - 1] = 1
-        adv[b] = advantages[i]
-    if rows is None:
-        attn[0] = 1
-    return ids.to(dev), attn.to(dev), mask.to(dev), adv.to(dev)
-
-
 def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                advantages: list[float], *, loss, temperature: float,
                micro_batch_tokens: int = 16384) -> dict:
@@ -350,32 +376,32 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
     averages gradients over ranks, times the mesh size."""
     dev, group = policy.device, policy.mesh.get_group()
     world = dist.get_world_size(group)
-    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     stats = torch.tensor([float(sum(len(c) for c in completion_ids)), 0.0, 0.0],
                          dtype=torch.float64, device=dev)
     dist.all_reduce(stats[:1], group=group)
     n_tokens = stats[0].item()
     scale = world / max(n_tokens, 1.0)
-    batches = _micro_batches([len(s) for s in seqs], micro_batch_tokens)
+    batches = _micro_batches([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
+                             micro_batch_tokens)
     # pad with zero-weight dummies to the busiest rank's passes, or the FSDP collectives hang
     n_mb = torch.tensor([len(batches)], device=dev)
     dist.all_reduce(n_mb, op=dist.ReduceOp.MAX, group=group)
-    batches += [None] * (int(n_mb.item()) - len(batches))
-    prompt_lens = [len(p) for p in prompt_ids]
-    for rows in batches:
-        ids, attn, mask, adv = _collate(seqs, prompt_lens, advantages, rows, dev)
-        logp = token_logprobs(policy.model, ids, attn, temperature)
+    batches += [[]] * (int(n_mb.item()) - len(batches))
+    for rows in batches:   # a dummy ([]): one prompt token, an empty completion (mask 0)
+        batch = ([prompt_ids[i] for i in rows] or [[0]], [completion_ids[i] for i in rows] or [[]])
+        logp, mask = token_logprobs(policy.model, *batch, temperature, dev)
         ref_logp = None
         if policy.ref is not None:
             with torch.no_grad():
-                ref_logp = token_logprobs(policy.ref, ids, attn, temperature)
+                ref_logp = token_logprobs(policy.ref, *batch, temperature, dev)[0]
             common.reshard(policy.ref)   # else its root (embeddings, head) stays gathered (0.7 GiB)
+        adv = torch.tensor([[advantages[i]] for i in rows] or [[0.0]], device=dev)
         total, pg, kl = loss(logp, ref_logp, adv, mask, policy.kl_coef)
-        (total * scale * (0.0 if rows is None else 1.0)).backward()
+        (total * scale * (1.0 if rows else 0.0)).backward()
         stats[1] += pg
         stats[2] += kl
     dist.all_reduce(stats[1:], group=group)
-    common.count("trained", sum(map(len, seqs)))
+    common.count("trained", sum(map(len, prompt_ids)) + sum(map(len, completion_ids)))
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), policy.grad_clip)
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()

@@ -140,7 +140,7 @@ def main():
 
     # training: fixed-length completions (as many as rollouts), this rank's contiguous share
     comps = [torch.randint(2, vocab, (glen,), generator=g).tolist() for _ in range(rollouts)]
-    prm = [prompts[i % n_prompts] for i in range(rollouts)]
+    prm = [prompts[i // args.samples % n_prompts] for i in range(rollouts)]   # by question
     adv = torch.randn(rollouts, generator=g).tolist()
     lo, hi = common.chunk(rollouts, rank, world)
     step = lambda: rloo.train_step(pol, prm[lo:hi], comps[lo:hi], adv[lo:hi],  # noqa: E731
@@ -154,8 +154,12 @@ def main():
     t_sync = None if llm is None else timed(lambda: rloo.sync_weights(pol, llm), dev)[1]
 
     if rank == 0:
-        seq_tokens = rollouts * (plen + glen)   # tokens through the model in the train step
-        flops = 8 * n_params * seq_tokens       # 6N train + 2N reference
+        seq_tokens = rollouts * (plen + glen)
+        # the tokens through the model: each micro-batch runs its distinct prompts once
+        run = sum(len(mb) * glen + len({tuple(prm[lo + i]) for i in mb}) * plen
+                  for r in range(world) for lo, hi in [common.chunk(rollouts, r, world)]
+                  for mb in rloo._micro_batches([plen + glen] * (hi - lo), mbt))
+        flops = 8 * n_params * run              # 6N train + 2N reference
         achieved = flops / t_train / world / 1e12
         spec = common.peak_flops()
         print(f"shape {args.shape}: {n_params / 1e6:.1f} M params, {world} rank(s) on "
@@ -167,7 +171,8 @@ def main():
                   f"({gen_tokens / t_gen / world:,.0f} per rank)")
         print(f"train step: {rollouts} rollouts x ({plen} + {glen}) tokens in {t_train:.2f} s = "
               f"{seq_tokens / t_train:,.0f} tokens/s ({stats['tokens'] / t_train:,.0f} completion "
-              f"tokens/s); {achieved:.3g} TFLOP/s per rank (8N per token)" +
+              f"tokens/s; {run / t_train:,.0f} run, each micro-batch's distinct prompts once); "
+              f"{achieved:.3g} TFLOP/s per rank (8N per token run)" +
               (f", MFU {achieved / peak_measured:.1%} of the {peak_measured:.0f} TFLOP/s bf16 "
                f"matmul measured now" if peak_measured else "") +
               (f", {achieved * 1e12 / spec:.1%} of the spec sheet's {spec / 1e12:.0f}"

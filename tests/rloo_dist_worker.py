@@ -56,8 +56,9 @@ def make_tiny_model(path: str, seed: int = 0, vocab: int = 320):
 
 def fixed_batch(n=8, seed=0, vocab=320):
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(2, vocab, (int(torch.randint(3, 7, (1,), generator=g)),),
-                             generator=g).tolist() for _ in range(n)]
+    prompts = [p for p in (torch.randint(2, vocab, (int(torch.randint(3, 7, (1,), generator=g)),),
+                                         generator=g).tolist() for _ in range(n // 4))
+               for _ in range(4)]   # a question's 4 samples share its prompt (token_logprobs)
     comps = [torch.randint(2, vocab, (int(torch.randint(2, 10, (1,), generator=g)),),
                            generator=g).tolist() for _ in range(n)]
     rewards = torch.rand(n // 4, 4, generator=g)
@@ -186,11 +187,8 @@ def main(out, base, ref):
     # --- weight sync: engine prompt logprobs == trainer logprobs after the update
     rloo.sync_weights(pol, llm)
     seqs = [p + c for p, c in zip(prompts, comps)]
-    L = max(map(len, seqs))
-    ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs])
-    attn = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs])
     with torch.no_grad():
-        tr = rloo.token_logprobs(pol.model, ids, attn)
+        tr = rloo.token_logprobs(pol.model, [s[:1] for s in seqs], [s[1:] for s in seqs])[0]
     eng = engine_prompt_logprobs(llm, seqs)
     res["sync_err"] = max(abs(tr[i, t].item() - e)
                           for i, row in enumerate(eng) for t, e in enumerate(row))
@@ -204,9 +202,8 @@ def main(out, base, ref):
         errs = []
         for p, o in zip(prompts[:4], outs):
             c = o.outputs[0]
-            s = torch.tensor([p + list(c.token_ids)])
             with torch.no_grad():
-                lp = rloo.token_logprobs(pol.model, s, torch.ones_like(s), T)[0, len(p) - 1:]
+                lp = rloo.token_logprobs(pol.model, [p], [list(c.token_ids)], T)[0][0]
             errs += [abs(lp[t].item() - c.logprobs[t][tok].logprob)
                      for t, tok in enumerate(c.token_ids)]
         res[f"temperature_err_{T}"] = max(errs)

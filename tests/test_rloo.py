@@ -15,7 +15,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
 import common  # noqa: E402
 import rloo  # noqa: E402
-from rloo_dist_worker import PROMPTS, make_tiny_model  # noqa: E402
+from rloo_dist_worker import PROMPTS, fixed_batch, make_tiny_model  # noqa: E402
 
 LR = 1e-3   # the worker's lr for the fixed-batch step
 
@@ -45,11 +45,11 @@ def runs(tmp_path_factory):
 
 def _close_updates(a, b, lr):
     """weights after one AdamW step from the same start. Adam's first step is lr * g/(|g|+eps),
-    so elements whose gradient is ~eps may differ by up to ~lr under another summation order;
-    everything else must agree to float precision."""
+    so the few elements whose gradient is ~eps (its sign noise) may differ by up to 2 lr under
+    another summation order; everything else must agree to float precision."""
     for k in a:
         d = (a[k] - b[k]).abs()
-        assert d.max() < 0.05 * lr, k
+        assert d.max() < 2 * lr, k
         assert (d > 1e-6).float().mean() < 1e-3, k
 
 
@@ -87,7 +87,7 @@ def test_micro_batches_and_chunks():
 def test_loss_and_update_match_hand_computation(runs):
     one = runs["one"]
     assert one["step"]["loss"] == pytest.approx(one["hand_value"], rel=1e-5)
-    assert one["step"]["kl"] > 0 and one["step"]["tokens"] == 32
+    assert one["step"]["kl"] > 0 and one["step"]["tokens"] == sum(map(len, fixed_batch()[1]))
     _close_updates(one["w1"], one["hand_w"], LR)
 
 
