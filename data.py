@@ -178,8 +178,8 @@ def _worker(conn):
 
 
 _pool: list = []  # [process, connection] pairs, built on first use and kept
-# items past the deadline (worker killed) and items whose worker crashed or raised, since the start;
-# callers read differences (soar.py and eval.py log them per step)
+# items past the deadline (worker killed) and items whose worker crashed or raised, since the start
+# (grading_faults: soar.py and eval.py log the differences per step)
 GRADING_FAULTS = {"grading_timeouts": 0, "grading_errors": 0}
 WARN_FAULT_SHARE = 0.01   # grade() warns when more than this share of a batch failed so
 
@@ -256,6 +256,29 @@ def grade(completions: list[str], golds: list[str]) -> list[float]:
         print(f"grade: {failed} of {len(first)} distinct answers timed out or crashed their "
               f"grading worker; scored as wrong (R_BOXED)", file=sys.stderr, flush=True)
     return [graded.get(k, R_NONE) for k in keys]
+
+
+def solved(completions: list[str], golds: list[str]) -> list[bool]:
+    """per completion: is its boxed answer correct (the 120 case of grade)? Acc, pass@k and fail@k
+    count these."""
+    return [r == R_CORRECT for r in grade(completions, golds)]
+
+
+def grading_faults() -> dict:
+    """the grading timeouts and errors since the process started (callers count differences)"""
+    return dict(GRADING_FAULTS)
+
+
+def engine_len(tok, questions: list[str], student_max_tokens: int,
+               teacher_max_tokens: int = 0) -> int:
+    """The engines' context: the student prompt around the longest question (a teacher sample may
+    be one) plus a completion, or the teacher prompt plus a teacher sample; 16 tokens of slack."""
+    longest = max([len(tok(q).input_ids) for q in questions] + [teacher_max_tokens])
+    student = len(tok(student_prompt("")).input_ids) + longest + student_max_tokens
+    teacher = 0
+    if teacher_max_tokens:
+        teacher = len(teacher_prompt(tok)) + teacher_max_tokens
+    return max(student, teacher) + 16
 
 
 def parse_teacher_batch(texts: list[str]) -> list[tuple[str, str] | None]:

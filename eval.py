@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
-import common
 import data
+import launch
 import rloo
 import world
 
@@ -42,69 +42,90 @@ import world
 @dataclasses.dataclass
 class Config:
     # ---- what to evaluate ----
-    model: str = ""             # base model (every fresh student starts here); "" = built-in world
-    world: str = "default"      # the built-in world without --model: default, or small (the tests')
-    train: str = ""             # hard train split (question/answer jsonl/parquet); "" = the world's
-    test: str = ""              # hard test split; "" = the world's
-    soar: str = "runs/soar"     # soar.py --out folder (pq.jsonl, student/, ...); report: comma list
-    intrinsic: str = ""         # `soar.py --reward learnability` --out (intrinsic-t); report: list
-    opensir: str = ""           # `soar.py --reward opensir` --out (opensir-t); report: list
-    labels: str = ""            # pq-* rows with --model: jsonl of PQ question, correct, well_posed
-    extra: str = ""             # curated real questions for the upper-bound rows (e.g. MATH train)
-    synthetic: str = ""         # `train`: the question set to add to the hard train split
-    name: str = ""              # `train`: the method name (run folder and report row)
-    runs: str = "runs/eval"     # run folders: <runs>/<method>/seed<s>/; the report goes here too
-    out: str = ""               # output folder (`filter`, `report`) or file (`sample-teacher`)
-    seeds: str = "0"            # comma list: sampling seeds (inference rows) or training seeds
+    model: str = launch.flag("",
+        'base model (every fresh student starts here); "" = built-in world')
+    world: str = launch.flag("default",
+        "the built-in world without --model: default, or small (the tests')")
+    train: str = launch.flag("",
+        "hard train split (question/answer jsonl/parquet); \"\" = the world's")
+    test: str = launch.flag("", "hard test split; \"\" = the world's")
+    soar: str = launch.flag("runs/soar",
+        "soar.py --out folder (pq.jsonl, student/, ...); report: comma list")
+    intrinsic: str = launch.flag("",
+        "`soar.py --reward learnability` --out (intrinsic-t); report: list")
+    opensir: str = launch.flag("", "`soar.py --reward opensir` --out (opensir-t); report: list")
+    labels: str = launch.flag("",
+        "pq-* rows with --model: jsonl of PQ question, correct, well_posed")
+    extra: str = launch.flag("",
+        "curated real questions for the upper-bound rows (e.g. MATH train)")
+    synthetic: str = launch.flag("", "`train`: the question set to add to the hard train split")
+    name: str = launch.flag("", "`train`: the method name (run folder and report row)")
+    runs: str = launch.flag("runs/eval",
+        "run folders: <runs>/<method>/seed<s>/; the report goes here too")
+    out: str = launch.flag("", "output folder (`filter`, `report`) or file (`sample-teacher`)")
+    seeds: str = launch.flag("0", "comma list: sampling seeds (inference rows) or training seeds")
     # ---- pass@k (METHOD.md "Evaluation protocol") ----
-    passk_samples: int = 32     # samples per test problem; k in 1, 4, 8, 16, 32 up to this
+    passk_samples: int = launch.flag(32,
+        "samples per test problem; k in 1, 4, 8, 16, 32 up to this", least=1)
     # ---- fail@128 filter (METHOD.md "Data"): T = 1, student_max_tokens, keep 0-correct, 50/50 ----
-    filter_samples: int = 128   # samples per problem
-    split_seed: int = 0         # seed of the 50/50 train/test split
+    filter_samples: int = launch.flag(128, "samples per problem", least=1)
+    split_seed: int = launch.flag(0, "seed of the 50/50 train/test split")
     # ---- fresh students (METHOD.md "Hyperparameters", "Evaluation protocol") ----
-    mode: str = "mixed"         # synthetic + real: mixed (HARP, Olympiad) or curriculum (MATH)
-    sampler: str = "uniform"    # a fresh student's questions: uniform (shuffled epochs) or leeps
-    sept_temperature: float = 1.0   # SePT's answer temperature (0.5/0.7/1.0: best on a train half)
-    student_steps: int = 1500   # at most; the early-stopping rule usually ends a run before
-    switch_step: int = 64       # curriculum: synthetic only for this many steps, then real only
-    student_warmup: int = 20    # lr warmup of mixed runs; curriculum runs use 0
-    student_lr: float = 1e-5    # AdamW, cosine over student_steps
-    student_samples: int = 32   # samples per question (the student's RLOO group)
-    big_group: int = 128        # the group of the hard-only-128 row
-    student_questions: int = 8  # questions per student step
-    kl_coef: float = 0.001      # k3 KL to the model the run started from
-    temperature: float = 1.0    # sampling temperature (training, pass@k, filter)
-    student_max_tokens: int = 1024  # new tokens per student completion (training, pass@k, filter)
-    teacher_max_tokens: int = 512   # new tokens per teacher sample
-    teacher_questions: int = 128  # questions sampled from a teacher (and real ones of upper-128)
-    eval_every: int = 20        # test pass@k every this many steps
-    ckpt_every: int = 100       # checkpoint every this many steps
-    fixed_step: int = 0         # > 0: report this step's test metric instead (OlympiadBench: 50)
+    mode: str = launch.flag("mixed",
+        "synthetic + real: mixed (HARP, Olympiad) or curriculum (MATH)")
+    sampler: str = launch.flag("uniform",
+        "a fresh student's questions: uniform (shuffled epochs) or leeps")
+    sept_temperature: float = launch.flag(1.0,
+        "SePT's answer temperature (0.5/0.7/1.0: best on a train half)")
+    student_steps: int = launch.flag(1500,
+        "at most; the early-stopping rule usually ends a run before", least=1)
+    switch_step: int = launch.flag(64,
+        "curriculum: synthetic only for this many steps, then real only")
+    student_warmup: int = launch.flag(20, "lr warmup of mixed runs; curriculum runs use 0")
+    student_lr: float = launch.flag(1e-5, "AdamW, cosine over student_steps")
+    student_samples: int = launch.flag(32,
+        "samples per question (the student's RLOO group)", least=2)
+    big_group: int = launch.flag(128, "the group of the hard-only-128 row", least=2)
+    student_questions: int = launch.flag(8, "questions per student step", least=1)
+    kl_coef: float = launch.flag(0.001, "k3 KL to the model the run started from")
+    temperature: float = launch.flag(1.0, "sampling temperature (training, pass@k, filter)")
+    student_max_tokens: int = launch.flag(1024,
+        "new tokens per student completion (training, pass@k, filter)", least=1)
+    teacher_max_tokens: int = launch.flag(512, "new tokens per teacher sample", least=1)
+    teacher_questions: int = launch.flag(128,
+        "questions sampled from a teacher (and real ones of upper-128)", least=1)
+    eval_every: int = launch.flag(20, "test pass@k every this many steps", least=1)
+    ckpt_every: int = launch.flag(100, "checkpoint every this many steps", least=1)
+    fixed_step: int = launch.flag(0,
+        "> 0: report this step's test metric instead (OlympiadBench: 50)")
     # ---- early stopping (METHOD.md "Early stopping") ----
-    es_window: int = 25         # centred moving average of the mean training reward
-    es_fraction: float = 0.15   # stop at the first step whose slope < this * the max slope
-    es_average: int = 200       # report the test metric averaged over the next this many steps
+    es_window: int = launch.flag(25, "centred moving average of the mean training reward", least=1)
+    es_fraction: float = launch.flag(0.15,
+        "stop at the first step whose slope < this * the max slope")
+    es_average: int = launch.flag(200,
+        "report the test metric averaged over the next this many steps", least=1)
     # ---- diversity (METHOD.md "Diversity") ----
-    embed: str = "ngram"        # ngram (offline, no model) or a HF model path (mean-pooled states)
-    vendi_subset: int = 128     # questions per bootstrap subset
-    vendi_draws: int = 100      # bootstrap subsets
+    embed: str = launch.flag("ngram",
+        "ngram (offline, no model) or a HF model path (mean-pooled states)")
+    vendi_subset: int = launch.flag(128, "questions per bootstrap subset", least=1)
+    vendi_draws: int = launch.flag(100, "bootstrap subsets", least=1)
     # ---- systems ----
-    micro_batch_tokens: int = 16384  # tokens per forward/backward pass (rows x longest row)
-    activation_checkpointing: bool = True   # recompute activations: a 3B student fits beside vLLM
-    gpu_memory_utilization: float = 0.3     # the vLLM engine's share of GPU memory
-    verbose: bool = False       # keep vLLM's warnings and load bars on the console
+    micro_batch_tokens: int = launch.flag(16384,
+        "tokens per forward/backward pass (rows x longest row)")
+    activation_checkpointing: bool = launch.flag(True,
+        "recompute activations: a 3B student fits beside vLLM")
+    gpu_memory_utilization: float = launch.flag(0.3, "the vLLM engine's share of GPU memory")
+    verbose: bool = launch.flag(False, "keep vLLM's warnings and load bars on the console")
     # ---- tracking ----
-    wandb: str = ""             # W&B project: `row` and `report` log their tables (and plots) there
-    wandb_name: str = ""        # the W&B run's name ("" = W&B picks one)
+    wandb: str = launch.flag("",
+        "W&B project: `row` and `report` log their tables (and plots) there")
+    wandb_name: str = launch.flag("", "the W&B run's name (\"\" = W&B picks one)")
 
 
-COUNTS = {2: ("student_samples", "big_group"),   # the least values of count flags
-          1: ("passk_samples", "filter_samples", "student_steps", "student_questions",
-              "student_max_tokens", "teacher_max_tokens", "teacher_questions", "eval_every",
-              "ckpt_every", "es_window", "es_average", "vendi_subset", "vendi_draws")}
 KS = (1, 4, 8, 16, 32)
 LEEPS_WINDOW = 20       # steps over which each portfolio's share of non-trivial groups is measured
 LEEPS_NEIGHBOURS = 8    # nearest neighbours whose outcomes rank an explore question
+TEACHER_ROUNDS = 8      # rejection-sampling rounds for a teacher's questions (teacher_questions)
 MAY_CHANGE = {"runs", "out", "seeds", "ckpt_every", "micro_batch_tokens",
               "activation_checkpointing", "gpu_memory_utilization", "verbose", "wandb",
               "wandb_name"}   # settings a resumed run may change
@@ -184,16 +205,18 @@ def seeds(cfg: Config) -> list[int]:
 
 
 def parse_args(argv=None) -> tuple[str, list[str], Config]:
-    p = common.config_parser(Config, world.PRESET, description=__doc__,
+    p = launch.config_parser(Config, world.PRESET, description=__doc__,
                              epilog="rows:\n" + "\n".join(f"  {k:14} {v.about}"
                                                           for k, v in ROWS.items()))
     p.add_argument("command", choices=list(COMMANDS))
     p.add_argument("args", nargs="*",
                    help="filter: pools; row: methods; sample-teacher: a teacher; vendi: files")
     a = vars(p.parse_intermixed_args(argv))   # options anywhere: before, between and after the rows
-    command, args, cfg = a["command"], a["args"], common.config_from(Config, a, world.PRESET)
-    error = p.error if common.rank0() else lambda _: sys.exit(2)   # rank 0 says it, once
-    bad = common.too_small(cfg, COUNTS) + ["--temperature: need T > 0"] * (cfg.temperature <= 0)
+    command = a["command"]
+    args = a["args"]
+    cfg = launch.config_from(Config, a, world.PRESET)
+    error = p.error if rloo.rank0() else lambda _: sys.exit(launch.USAGE_EXIT)   # rank 0 says it
+    bad = launch.too_small(cfg) + ["--temperature: need T > 0"] * (cfg.temperature <= 0)
     if bad:
         error("these settings cannot work: " + "; ".join(bad))
     if cfg.mode not in ("mixed", "curriculum") or cfg.sampler not in ("uniform", "leeps"):
@@ -351,9 +374,10 @@ def leeps(n: int, emb: np.ndarray, history: list[dict], size: int, rng: random.R
 # ---- on the engines (every rank calls these; generation and grading are split over ranks) ----
 
 def eval_passk(llm, test: list[dict], cfg: Config, seed: int, key) -> dict:
-    counts = rloo.correct_counts(llm, test, n=cfg.passk_samples, max_tokens=cfg.student_max_tokens,
-                                 temperature=cfg.temperature, group=dist.group.WORLD,
-                                 seed=common.seed_of(seed, "passk", key))
+    counts = rloo.count_correct(llm, test, prompt=data.student_prompt, correct=data.solved,
+                                n=cfg.passk_samples, max_tokens=cfg.student_max_tokens,
+                                temperature=cfg.temperature, group=dist.group.WORLD,
+                                seed=launch.seed_of(seed, "passk", key))
     return {**mean_passk(counts, cfg.passk_samples), "solved": sum(c > 0 for c in counts)}
 
 
@@ -367,9 +391,12 @@ def teacher_questions(path: str, cfg: Config, seed: int, llm, tok, mesh) -> list
     """cfg.teacher_questions questions of the teacher in `path`, with SOAR's teacher prompt and
     format filter (METHOD.md "Evaluation protocol": same prompt and filter)."""
     rloo.sync_weights(frozen(path, mesh), llm)
-    kept, _ = rloo.sample_teacher(llm, data.teacher_prompt(tok), need=cfg.teacher_questions,
-                                  max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,
-                                  seed=seed, key="eval", max_rounds=8, group=dist.group.WORLD)
+    seeds = [launch.seed_of(seed, "eval", "teacher", i) for i in range(TEACHER_ROUNDS)]
+    kept, _ = rloo.sample_until(llm, data.teacher_prompt(tok), need=cfg.teacher_questions,
+                                parse=data.parse_teacher_batch, round_seeds=seeds,
+                                max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,
+                                what=f"the format filter of data.TEACHER_PROMPT ({path})",
+                                group=dist.group.WORLD)
     return [{"question": q, "answer": a} for _, (q, a) in kept]
 
 
@@ -382,7 +409,7 @@ def inference_run(cfg: Config, seed: int, method: str, path: str, llm, mesh, tes
     res = dict(method=method, test=cfg.test, seed=seed, model=path,
                passk={k: v for k, v in eval_passk(llm, test, cfg, seed, "inference").items()
                       if k.startswith("pass@")})
-    if common.rank0():
+    if rloo.rank0():
         data.write_json(os.path.join(out, "result.json"), res)
     return res
 
@@ -403,30 +430,31 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
                               total_steps=cfg.student_steps, kl_coef=cfg.kl_coef if row.kl else 0.0,
                               activation_checkpointing=cfg.activation_checkpointing)
     metrics_path, evals_path = os.path.join(out, "metrics.jsonl"), os.path.join(out, "evals.jsonl")
-    ckpt, state = common.resume(out, config, MAY_CHANGE)
+    ckpt, state = launch.resume(out, config, MAY_CHANGE)
     if ckpt:
-        common.load_state(policy, os.path.join(ckpt, "policy"))
+        rloo.load_state(policy, os.path.join(ckpt, "policy"))
     start = state["step"] if ckpt else 0
-    common.restore_rows(out, ckpt, ("metrics.jsonl", "evals.jsonl"))   # only the ckpt's steps
-    common.print0(f"{method} seed {seed}: {len(synthetic)} synthetic + {len(real)} real questions, "
+    launch.restore_rows(out, ckpt, ("metrics.jsonl", "evals.jsonl"))   # only the ckpt's steps
+    rloo.print0(f"{method} seed {seed}: {len(synthetic)} synthetic + {len(real)} real questions, "
                   f"{cfg.mode}, group {cfg.student_samples}; "
                   f"{'resuming at' if start else 'starting at'} step {start} -> {out}")
     dist.barrier()
     metrics, evals, emb = data.read_jsonl(metrics_path), data.read_jsonl(evals_path), {}
     rewards = [m["reward"] for m in metrics]
     step, committed = start, (len(metrics), len(evals))   # the rows the last checkpoint holds
-    with tqdm(total=cfg.student_steps, initial=start, disable=not common.rank0(), desc=method,
+    with tqdm(total=cfg.student_steps, initial=start, disable=not rloo.rank0(), desc=method,
               dynamic_ncols=True) as bar:
         while True:
             if step % cfg.eval_every == 0 or step == cfg.fixed_step or step == cfg.student_steps:
                 rloo.sync_weights(policy, llm)
                 evals.append({"step": step, **eval_passk(llm, test, cfg, seed, step)})
-                if common.rank0():
+                if rloo.rank0():
                     data.append_jsonl(evals_path, [evals[-1]])
             if step >= cfg.student_steps or finished(rewards, step, cfg, offset):
                 break
             t0 = time.perf_counter()
-            common.reset_counts()  # this step's only (not the evaluation's nor another run's)
+            meter = rloo.Meter()   # this step's only (not the evaluation's nor another run's)
+            faults = data.grading_faults()
             source, pool, idx = batch_at(step, synthetic, real, cfg, seed)
             portfolio = None
             if cfg.sampler == "leeps":   # history: the metrics rows of earlier steps on this pool
@@ -437,26 +465,29 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
                                        cfg.student_questions, random.Random(f"{seed}/leeps/{step}"))
             sampler_s = time.perf_counter() - t0
             batch = [(pool[i]["question"], pool[i]["answer"]) for i in idx]
-            stats = rloo.student_step(policy, llm, batch, samples=cfg.student_samples,
-                                      temperature=getattr(cfg, row.temperature),
-                                      max_tokens=cfg.student_max_tokens, group=dist.group.WORLD,
-                                      seed=common.seed_of(seed, "student", step),
-                                      micro_batch_tokens=cfg.micro_batch_tokens,
-                                      advantages=row.advantages, loss=rloo.rloo_loss,
-                                      train_temperature=row.train_temperature)
+            stats = rloo.rl_step(policy, llm, batch, prompt=data.student_prompt,
+                                 reward=data.grade, samples=cfg.student_samples,
+                                 temperature=getattr(cfg, row.temperature),
+                                 max_tokens=cfg.student_max_tokens, group=dist.group.WORLD,
+                                 seed=launch.seed_of(seed, "student", step),
+                                 micro_batch_tokens=cfg.micro_batch_tokens,
+                                 advantages=row.advantages, loss=rloo.rloo_loss,
+                                 train_temperature=row.train_temperature, meter=meter)
+            sample_rewards = stats.pop("rewards")
+            stats["accuracy"] = statistics.fmean(r == data.R_CORRECT for r in sample_rewards)
             rewards.append(stats["reward"])
             metrics.append({
                 "step": step, "source": source, "questions": idx, "portfolio": portfolio, **stats,
                 "nontrivial_share": statistics.fmean(stats["nontrivial"]), "skipped_updates": 0,
-                **common.gather_counts(), "sampler_seconds": round(sampler_s, 4),
+                **launch.step_counts(meter, faults), "sampler_seconds": round(sampler_s, 4),
                 "seconds": round(time.perf_counter() - t0, 3)})
-            if common.rank0():
+            if rloo.rank0():
                 data.append_jsonl(metrics_path, metrics[-1:])
             step += 1
             bar.update(1)
             bar.set_postfix(reward=f"{stats['reward']:.1f}", acc=f"{stats['accuracy']:.3f}")
             if step % cfg.ckpt_every == 0:
-                common.save_checkpoint(out, step, {"policy": (policy, True)},
+                launch.save_checkpoint(out, step, {"policy": (policy, True)},
                                        {"step": step, "config": config},
                                        rows={"metrics.jsonl": metrics[committed[0]:],
                                              "evals.jsonl": evals[committed[1]:]})
@@ -466,7 +497,7 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
                n_synthetic=len(synthetic), n_real=len(real), sampler=cfg.sampler,
                nontrivial_share=(statistics.fmean(m["nontrivial_share"] for m in metrics)
                                  if metrics else None), **select(evals, rewards, cfg, offset))
-    if common.rank0():
+    if rloo.rank0():
         data.write_json(os.path.join(out, "result.json"), res)
         shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)  # optimizer state: GBs a run
     dist.barrier()
@@ -480,13 +511,13 @@ def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False,
     """mesh (one FSDP mesh over all ranks: the student is sharded over all, each rank's engine makes
     its share), tokenizer and a per-rank engine fitting the longest question plus a completion and,
     if `teacher`, a teacher prompt plus its sample and such a sample as a question."""
-    _, world_size, device = common.init_distributed()
+    _, world_size, device = rloo.init_distributed()
     mesh = init_device_mesh(device.type, (world_size,))
-    tok = rloo.tokenizer(cfg.model)
-    seq_len = rloo.engine_len(tok, [q["question"] for qs in question_sets for q in qs],
+    tok = launch.tokenizer(cfg.model)
+    seq_len = data.engine_len(tok, [q["question"] for qs in question_sets for q in qs],
                               cfg.student_max_tokens, cfg.teacher_max_tokens if teacher else 0)
     if cfg.micro_batch_tokens < seq_len:
-        raise SystemExit(f"eval.py: error: --micro_batch_tokens {cfg.micro_batch_tokens} is less "
+        raise launch.UsageError(f"--micro_batch_tokens {cfg.micro_batch_tokens} is less "
                          f"than one sequence (prompt + completion: up to {seq_len} tokens)")
     llm = rloo.build_engine(cfg.model, seed=seeds(cfg)[0], max_model_len=seq_len,
                             gpu_memory_utilization=engine_share or cfg.gpu_memory_utilization,
@@ -508,39 +539,40 @@ def done(cfg: Config, method: str, seed: int) -> bool:
 def cmd_row(cfg: Config, methods: list[str]) -> None:
     """The rows `methods` x seeds, each into its run folder, each as its ROWS entry says."""
     if all(done(cfg, m, s) for m in methods for s in seeds(cfg)):   # before any engine is built
-        common.print0(f"{cfg.runs}: {', '.join(methods)} x seeds {cfg.seeds}: all finished "
+        rloo.print0(f"{cfg.runs}: {', '.join(methods)} x seeds {cfg.seeds}: all finished "
                       "already; nothing to do")
         return
     rows = {m: row_of(m, cfg) for m in methods}
     if missing := missing_inputs(rows, cfg):   # before the world is built
-        raise SystemExit(f"missing inputs (method: path or flag): {missing}")
+        raise launch.UsageError(f"missing inputs (method: path or flag): {missing}")
     for path in {path_of(t, cfg) for r in rows.values() for t in (r.model, r.teacher)
                  if t and "{model}" not in t}:   # a soar.py run's teacher/ or student/
-        if behind := common.hf_behind(os.path.dirname(path), names=[os.path.basename(path)]):
-            raise SystemExit(f"eval.py: error: {behind[0]} is behind its run's checkpoint: rerun "
+        if behind := launch.hf_behind(os.path.dirname(path), names=[os.path.basename(path)]):
+            raise launch.UsageError(f"{behind[0]} is behind its run's checkpoint: rerun "
                              "that soar.py command to finish writing it")
     cfg = world.resolve(cfg)
     soar = soar_config(cfg.soar) if any("{soar}" in t for r in rows.values()
                                         for t in (r.model, r.teacher, r.file)) else None
     if soar:   # SOAR's outputs only mean something against the base model SOAR started from
         if os.path.realpath(soar["model"]) != os.path.realpath(cfg.model):
-            raise SystemExit(f"{cfg.soar} was run from {soar['model']}, "
+            raise launch.UsageError(f"{cfg.soar} was run from {soar['model']}, "
                              f"not from --model {cfg.model}")
     if not (cfg.train and cfg.test):
-        raise SystemExit("--train and --test are required with --model: "
+        raise launch.UsageError("--train and --test are required with --model: "
                          "the fail@128 train and test splits")
-    common.init_distributed()   # rank 0 reads the problems (load_problems drops some on timeouts)
-    hard, test = (common.on_rank0(data.load_problems, f) for f in (cfg.train, cfg.test))
-    files = {r.file: common.on_rank0(data.load_problems, path_of(r.file, cfg))
+    rloo.init_distributed()   # rank 0 reads the problems (load_problems drops some on timeouts)
+    hard = launch.problems(cfg.train)
+    test = launch.problems(cfg.test)
+    files = {r.file: launch.problems(path_of(r.file, cfg))
              for r in rows.values() if r.file}
     mesh, tok, llm = setup(cfg, [hard, test, *files.values()],
                            teacher=any(r.teacher for r in rows.values()))
     for method, row in rows.items():
         for seed in seeds(cfg):
             out = run_dir(cfg, method, seed)
-            common.lock_folder(out)   # one process per run folder
+            launch.lock_folder(out)   # one process per run folder
             if done(cfg, method, seed):
-                common.print0(f"{out}: finished already")
+                rloo.print0(f"{out}: finished already")
                 continue
             if row.model:
                 res = inference_run(cfg, seed, method, path_of(row.model, cfg), llm, mesh,
@@ -553,7 +585,7 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
                     if not synthetic:
                         synthetic = teacher_questions(path_of(row.teacher, cfg), cfg, seed, llm,
                                                       tok, mesh)
-                        if common.rank0():
+                        if rloo.rank0():
                             data.write_jsonl(qpath, synthetic)
                 if row.keep:
                     synthetic = pq_subset(synthetic, row.keep, cfg)
@@ -561,11 +593,11 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
                     synthetic = random.Random(f"{seed}/upper").sample(
                         synthetic, min(cfg.teacher_questions, len(synthetic)))
                 if row.file and not synthetic:
-                    common.print0(f"{method}: skipped, {path_of(row.file, cfg)} "
+                    rloo.print0(f"{method}: skipped, {path_of(row.file, cfg)} "
                                   "has no such questions yet")
                     continue
                 res = train_run(cfg, seed, method, row, synthetic, hard, test, llm, mesh, out)
-            common.print0(f"{method} seed {seed}: " + "  ".join(f"{k} {100 * v:.1f}%"
+            rloo.print0(f"{method} seed {seed}: " + "  ".join(f"{k} {100 * v:.1f}%"
                                                                 for k, v in res["passk"].items()))
     log_tables(cfg, [data.read_json(os.path.join(run_dir(cfg, m, s), "result.json"))
                      for m in methods for s in seeds(cfg) if done(cfg, m, s)])
@@ -589,10 +621,10 @@ def cmd_sample_teacher(cfg: Config, args: list[str]) -> None:
     cfg = world.resolve(cfg)
     path = args[0] if args else os.path.join(cfg.soar, "teacher")
     if not cfg.out:
-        raise SystemExit("sample-teacher needs --out FILE")
+        raise launch.UsageError("sample-teacher needs --out FILE")
     mesh, tok, llm = setup(cfg, [], teacher=True)
     qs = teacher_questions(path, cfg, seeds(cfg)[0], llm, tok, mesh)
-    if common.rank0():
+    if rloo.rank0():
         data.write_jsonl(cfg.out, qs)
         print(f"wrote {len(qs)} questions of {path} to {cfg.out}")
 
@@ -624,30 +656,32 @@ def cmd_filter(cfg: Config, pools: list[str]) -> None:
     filter_samples tries, split them 50/50 (seeded). Writes <out>/<pool>/ counts.jsonl (per problem,
     appended per chunk: a rerun continues), train.jsonl, test.jsonl, filter.json."""
     if not (cfg.model and cfg.out and pools):
-        raise SystemExit("filter needs pools (math, harp, olympiad or files), --model and --out")
-    common.init_distributed()
-    problems = {p: common.on_rank0(data.load_problems, p) for p in pools}
+        raise launch.UsageError("filter needs pools (math, harp, olympiad or files), --model "
+                                "and --out")
+    rloo.init_distributed()
+    problems = {p: launch.problems(p) for p in pools}
     mesh, tok, llm = setup(cfg, list(problems.values()), engine_share=0.9)   # no trainer beside
     n, chunk = cfg.filter_samples, max(1, 8192 // cfg.filter_samples)
     for pool, probs in problems.items():
         out = os.path.join(cfg.out, os.path.splitext(os.path.basename(pool))[0])
         counts_path = os.path.join(out, "counts.jsonl")
-        have = common.on_rank0(counted, counts_path)
-        common.print0(f"{pool}: {len(probs)} problems, {len(have)} done")
-        for lo in tqdm(range(len(have), len(probs), chunk), disable=not common.rank0(), desc=pool,
+        have = rloo.on_rank0(counted, counts_path)
+        rloo.print0(f"{pool}: {len(probs)} problems, {len(have)} done")
+        for lo in tqdm(range(len(have), len(probs), chunk), disable=not rloo.rank0(), desc=pool,
                        dynamic_ncols=True):
-            counts = rloo.correct_counts(llm, probs[lo:lo + chunk], n=n,
-                                         max_tokens=cfg.student_max_tokens,
-                                         seed=common.seed_of(seeds(cfg)[0], "filter") + lo,
-                                         temperature=cfg.temperature, group=dist.group.WORLD)
-            if common.rank0():
+            counts = rloo.count_correct(llm, probs[lo:lo + chunk], prompt=data.student_prompt,
+                                        correct=data.solved, n=n,
+                                        max_tokens=cfg.student_max_tokens,
+                                        seed=launch.seed_of(seeds(cfg)[0], "filter") + lo,
+                                        temperature=cfg.temperature, group=dist.group.WORLD)
+            if rloo.rank0():
                 data.append_jsonl(counts_path, [{"index": lo + i, "correct": c}
                                                 for i, c in enumerate(counts)])
             dist.barrier()
         counts = [r["correct"] for r in data.read_jsonl(counts_path)]
         hard = [p for p, c in zip(probs, counts) if c == 0]
         train, test = data.split_train_test(hard, cfg.split_seed)
-        if common.rank0():
+        if rloo.rank0():
             data.write_jsonl(os.path.join(out, "train.jsonl"), train)
             data.write_jsonl(os.path.join(out, "test.jsonl"), test)
             data.write_json(os.path.join(out, "filter.json"),
@@ -773,7 +807,7 @@ def plot_soar(runs: dict[str, list[dict]], path: str) -> None:
 
 def soar_config(folder: str) -> dict | None:
     """a soar.py --out folder's settings (its newest checkpoint's); None before its first step"""
-    ckpts = common.ckpt_dirs(folder)
+    ckpts = launch.ckpt_dirs(folder)
     return data.read_json(os.path.join(ckpts[-1], "state.json"))["config"] if ckpts else None
 
 
@@ -907,10 +941,10 @@ def cmd_report(cfg: Config, args=()) -> str:
 def log_tables(cfg: Config, results: list[dict], plots=()) -> None:
     """(rank 0, --wandb) a W&B run of this command: per method a table of its runs' results
     (pass@k, the step it was read at), and the plots"""
-    if not (cfg.wandb and common.rank0()):
+    if not (cfg.wandb and rloo.rank0()):
         return
-    wb = common.tracker(cfg.wandb, cfg.wandb_name, cfg.out or cfg.runs, dataclasses.asdict(cfg))
-    import wandb   # (loaded by common.tracker: only with --wandb)
+    wb = launch.tracker(cfg.wandb, cfg.wandb_name, cfg.out or cfg.runs, dataclasses.asdict(cfg))
+    import wandb   # (loaded by launch.tracker: only with --wandb)
     for m in ordered({r["method"] for r in results}):
         rs = [r for r in results if r["method"] == m]
         ks = passk_keys(rs)
@@ -927,9 +961,8 @@ COMMANDS = {"filter": cmd_filter, "row": cmd_row, "train": lambda cfg, _: cmd_ro
 
 def main(argv=None):
     command, args, cfg = parse_args(argv)
-    with common.clean_exit("eval.py"):
-        COMMANDS[command](cfg, args)
+    COMMANDS[command](cfg, args)
 
 
 if __name__ == "__main__":
-    main()
+    launch.main("eval.py", main)

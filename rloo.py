@@ -1,32 +1,49 @@
 """
-The RL engine shared by the teacher and the students, and by soar.py and eval.py: one in-process
-vLLM engine per rank for sampling, an FSDP2-sharded HF model for training, exact weight sync
-between the two, the RLOO loss, in-memory snapshots ("students restart from theta", promotion)
-and HF folders. Checkpoints and the rest of the run plumbing are in common.py.
+The RL engine: one in-process vLLM engine per rank for sampling, an FSDP2-sharded HF causal LM for
+training, exact weight sync between the two, the RLOO loss, in-memory snapshots, sharded state
+and HF folders. It stands alone (the standard library, torch, transformers, numpy and vLLM):
+prompts, grading and parsing come in as functions, so the file can be copied into another project.
+soar.py and eval.py use it for the teacher and the students alike.
+
+    import rloo
+    rank, world, dev = rloo.init_distributed()           # torchrun's group, or a 1-rank one
+    llm = rloo.build_engine("my/model", max_model_len=2048)
+    policy = rloo.load_policy("my/model", mesh, lr=1e-5, warmup_steps=0, total_steps=100)
+    stats = rloo.rl_step(policy, llm, [(question, answer), ...], prompt=..., reward=..., ...)
 
 Layout (METHOD.md "Scale layout"): torchrun, one rank per GPU (or CPU process), TP = 1 engines
 built with distributed_executor_backend="external_launcher", so each engine lives inside its
 rank's process and serves whatever weights are synced into it next (teacher or student).
 """
+import ctypes
 import glob
+import json
 import logging
 import math
 import os
+import pickle
 import shutil
+import signal
+import socket
 import sys
+import time
+import traceback
 import warnings
+from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import Cache, DynamicLayer
-
-import common
-import data
+from transformers.utils import logging as hf_logging
 
 # -----------------------------------------------------------------------------
 # engine (vLLM) settings
@@ -44,7 +61,163 @@ MAX_NONFINITE = 3           # updates skipped in a row (non-finite loss or gradi
 
 
 # -----------------------------------------------------------------------------
+# processes: the group, decisions made once on rank 0, shares of work
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_launcher() -> None:
+    """Linux: the kernel SIGKILLs this process when its parent (torchrun) dies, so a killed
+    launcher leaves no rank running on (or writing into a run folder)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
+        if os.getppid() == 1:                         # the parent died before we asked
+            os._exit(1)
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """rank, world size, device. A plain `python script.py` becomes a 1-rank group, so the
+    same code path (external_launcher engine, FSDP2) runs with and without torchrun."""
+    cuda = torch.cuda.is_available()
+    if "TORCHELASTIC_RUN_ID" in os.environ:   # under torchrun
+        _die_with_launcher()
+    if not dist.is_initialized():
+        for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+            os.environ.setdefault(k, v)
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device_id = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device_id)
+    if cuda:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+def rank0() -> bool:
+    """Does this rank print and write the run's shared files? (before init: torchrun's RANK)"""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
+
+
+def print0(*args, **kwargs) -> None:
+    if rank0():
+        print(*args, **{"flush": True, **kwargs})
+
+
+def on_rank0(fn, *args):
+    """fn(*args) on rank 0 alone, its result (or its error) on every rank: what rests on a timeout
+    or on the filesystem (a problem list, a lock, a checkpoint's listing) is decided once, so ranks
+    never disagree nor wait on a rank that failed alone. Rank 0 raises the error itself, traceback
+    and all; the other ranks raise a copy marked `from_rank0`, with rank 0's traceback as a note.
+    Before init_distributed: just fn(*args)."""
+    if not dist.is_initialized():
+        return fn(*args)
+    res = None
+    err = None
+    if rank0():
+        try:
+            res = (fn(*args), None, None)
+        except Exception as e:
+            err = e
+            try:
+                pickle.dumps(e)
+                copy = e
+            except Exception:   # an exception that does not pickle travels as its text
+                copy = RuntimeError(f"{type(e).__name__}: {e}")
+            res = (None, copy, traceback.format_exc())
+    value, copy, trace = all_gather(res)[0]
+    if err is not None:
+        raise err
+    if copy is not None:
+        copy.from_rank0 = True
+        copy.add_note(f"(raised on rank 0)\n{trace}")
+        raise copy
+    return value
+
+
+def chunk(n: int, rank: int, world: int) -> tuple[int, int]:
+    """contiguous [lo, hi) share of n items for rank (the first n % world ranks get one more)"""
+    q, r = divmod(n, world)
+    lo = rank * q + min(rank, r)
+    return lo, lo + q + (rank < r)
+
+
+def my_share(items: list, group=None) -> list:
+    """this rank's contiguous share of items (chunk) within group"""
+    lo, hi = chunk(len(items), dist.get_rank(group), dist.get_world_size(group))
+    return items[lo:hi]
+
+
+def all_gather(obj, group=None) -> list:
+    """every rank's obj (any picklable object), in rank order, on every rank of group"""
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, obj, group=group)
+    return parts
+
+
+def split_map(fn, items: list, group=None) -> list:
+    """fn over this rank's share of items, results gathered on every rank of group. Used for
+    grading and parsing: one rank decides each item, so ranks never disagree on a timeout."""
+    if not dist.is_initialized():
+        return fn(items)
+    return [x for part in all_gather(fn(my_share(items, group)), group) for x in part]
+
+
+# -----------------------------------------------------------------------------
+# what a step spent: seconds per phase, and tokens and events counted under the open phase
+
+class Meter:
+    """Exclusive timers and counts of one step, held by the caller and passed to the engine calls:
+    time in a nested timed() block counts only for the inner key; count(kind, n) adds n under the
+    innermost open phase (kind "generated" or "trained": tokens; "skipped_updates")."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)   # phase: seconds
+        self.counts = defaultdict(int)      # "<kind>/<phase>": n, on this rank
+        self._open = []                     # [phase, seconds spent in nested blocks]
+
+    @contextmanager
+    def timed(self, phase: str):
+        t0 = time.perf_counter()
+        self._open.append([phase, 0.0])
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            self.seconds[phase] += dt - self._open.pop()[1]
+            if self._open:
+                self._open[-1][1] += dt
+
+    def count(self, kind: str, n: int = 1) -> None:
+        phase = self._open[-1][0] if self._open else "other"
+        self.counts[f"{kind}/{phase}"] += n
+
+    def gathered(self, group=None) -> dict:
+        """the counts summed over the ranks of group: skipped_updates as one number, tokens as
+        tokens/{generated,trained}/<phase>, any other kind under its own name"""
+        total = defaultdict(int)
+        for part in all_gather(dict(self.counts), group):
+            for key, n in part.items():
+                kind = key.split("/")[0]
+                if kind in ("generated", "trained"):
+                    total["tokens/" + key] += n
+                else:
+                    total[kind] += n
+        return dict(sorted(total.items()))
+
+
+# -----------------------------------------------------------------------------
 # sampling
+
+_ENGINES = []   # the engines this process built (shutdown stops them)
+
 
 def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
                  gpu_memory_utilization: float = 0.3, verbose: bool = False, **engine_args):
@@ -58,6 +231,8 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated")
         # ... and its Triton check warns before vLLM's log level applies
         logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
+    # imported here, not at the top: the training half runs without vLLM (a GPU host without its
+    # wheel: bench --train-only), and importing it takes seconds
     from vllm import LLM
     cpu = not torch.cuda.is_available()
     if cpu:
@@ -79,8 +254,17 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
     # the rotary cos/sin cache is not in HF checkpoints, so every reload warns that it kept the
     # engine's own copy, which is right (set after LLM(): vLLM configures its loggers there)
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-    common.ENGINES.append(llm)
+    _ENGINES.append(llm)
     return llm
+
+
+def shutdown() -> None:
+    """Stop this process's engines, then its process group: the engines' shutdown tears down
+    vLLM's groups, the default one too (left to the interpreter's exit, it fails)."""
+    while _ENGINES:
+        _ENGINES.pop().llm_engine.engine_core.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass
@@ -91,14 +275,18 @@ class Sample:
 
 
 def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_tokens: int,
-             seed: int, group=None) -> list[list[Sample]]:
+             seed: int, group=None, meter: Meter | None = None) -> list[list[Sample]]:
     """result[i] = the n samples of prompts[i] (a string or token ids); with a group, prompts are
     split over its ranks and every rank returns the full list. Request i has seed + i (i global):
     results do not depend on the split, and repeated prompts get distinct seeds."""
-    from vllm import SamplingParams
-    rank, world = ((dist.get_rank(group), dist.get_world_size(group)) if group is not None
-                   else (0, 1))
-    lo, hi = common.chunk(len(prompts), rank, world)
+    from vllm import SamplingParams   # (see build_engine)
+    if group is not None:
+        rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+    else:
+        rank = 0
+        world = 1
+    lo, hi = chunk(len(prompts), rank, world)
     inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts[lo:hi]]
     greedy = temperature == 0   # vLLM refuses n > 1 when greedy: sample once, repeat n times
     params = [SamplingParams(n=1 if greedy else n, temperature=temperature, max_tokens=max_tokens,
@@ -106,86 +294,57 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
     outs = llm.generate(inputs, params, use_tqdm=False) if inputs else []
     mine = [[Sample(c.text, list(c.token_ids), list(o.prompt_token_ids))
              for c in (o.outputs * n if greedy else o.outputs)] for o in outs]
-    common.count("generated", sum(len(c.token_ids) for o in outs for c in o.outputs))
-    return mine if world == 1 else [s for part in common.all_gather(mine, group) for s in part]
+    if meter is not None:
+        meter.count("generated", sum(len(c.token_ids) for o in outs for c in o.outputs))
+    if world == 1:
+        return mine
+    return [s for part in all_gather(mine, group) for s in part]
 
 
-def tokenizer(model: str):
-    """the tokenizer of --model, or a one-line error if it is neither an HF folder nor a hub id
-    that can be reached"""
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError) as e:
-        raise RuntimeError(f"--model {model}: neither an HF model folder nor a hub id this machine "
-                           f"can reach ({data.first_line(e)})") from None
-
-
-def engine_len(tok, questions: list[str], student_max_tokens: int,
-               teacher_max_tokens: int = 0) -> int:
-    """The engines' context: the student prompt around the longest question (a teacher sample may
-    be one) plus a completion, or the teacher prompt plus a teacher sample; 16 tokens of slack."""
-    longest = max([len(tok(q).input_ids) for q in questions] + [teacher_max_tokens])
-    student = len(tok(data.student_prompt("")).input_ids) + longest + student_max_tokens
-    teacher = len(data.teacher_prompt(tok)) + teacher_max_tokens if teacher_max_tokens else 0
-    return max(student, teacher) + 16
-
-
-# -----------------------------------------------------------------------------
-# sampling + grading: all ranks of `group` call these, share out the work and get all results
-
-def grade(completions: list[str], golds: list[str], group=None) -> list[float]:
-    """data.grade (METHOD.md "Rewards"), split over the ranks of group"""
-    return common.split_map(lambda pairs: data.grade([c for c, _ in pairs],
-                                                     [g for _, g in pairs]),
-                            list(zip(completions, golds)), group)
-
-
-def correct_counts(llm, problems: list[dict], *, n: int, max_tokens: int, seed: int,
-                   temperature: float = 1.0, group=None, chunk_prompts: int = 0,
-                   progress: bool = False) -> list[int]:
-    """How many of n samples (student prompt) are correct (the 120 case) per problem: greedy
-    accuracy (n = 1, temperature 0), learnability, pass@k and fail@k all count this way. Sampled in
-    chunks of prompts so 5000 x 128 samples never sit in memory at once; request i carries seed + i
-    whatever the chunking (generate), so results do not depend on it."""
-    from tqdm import tqdm
-    step = chunk_prompts or max(1, 8192 // n)
-    counts = []
-    for lo in tqdm(range(0, len(problems), step), disable=not progress, desc="sampling",
-                   dynamic_ncols=True):
-        part = problems[lo:lo + step]
-        outs = generate(llm, [data.student_prompt(p["question"]) for p in part], n=n,
-                        temperature=temperature, max_tokens=max_tokens, seed=seed + lo, group=group)
-        rewards = grade([s.text for o in outs for s in o],
-                        [p["answer"] for p in part for _ in range(n)], group)
-        counts += [sum(r == data.R_CORRECT for r in rewards[i * n:(i + 1) * n])
-                   for i in range(len(part))]
-    return counts
-
-
-def sample_teacher(llm, prompt, *, need: int, max_tokens: int, temperature: float, seed: int, key,
-                   max_rounds: int, group=None) -> tuple[list, int]:
-    """Rejection sampling (METHOD.md "Algorithm 1", step 1) from the weights in the engine: sample,
-    keep what passes the format filter, sample again for the shortfall; exact for RLOO (METHOD.md
-    "Teacher update"). Round i draws seeds from seed_of(seed, key, "teacher", i). Returns the first
-    `need` valid (Sample, (question, answer)) in sampling order and the number of samples drawn."""
-    kept, sampled = [], 0
-    for rnd in range(max_rounds):
+def sample_until(llm, prompt, *, need: int, parse, round_seeds: list[int], max_tokens: int,
+                 temperature: float, what: str, group=None,
+                 meter: Meter | None = None) -> tuple[list, int]:
+    """Rejection sampling from the weights in the engine: sample, keep what `parse` (texts -> a
+    value or None each, split over the ranks) accepts, sample again for the shortfall, one round per
+    seed of round_seeds. Exact for RLOO: the kept samples are draws of the policy conditioned on
+    passing the filter (METHOD.md "Teacher update"). Returns the first `need` (Sample, value) in
+    sampling order and the number of samples drawn; too few ends the run, naming `what`."""
+    kept = []
+    sampled = 0
+    for seed in round_seeds:
         todo = need - len(kept)
         # oversample by the valid rate seen so far (at least 1x, at most 8x)
         k = todo if not kept else min(8 * todo, int(todo * sampled / len(kept) * 1.2) + 1)
         outs = generate(llm, [prompt] * k, temperature=temperature, max_tokens=max_tokens,
-                        seed=common.seed_of(seed, key, "teacher", rnd), group=group)
+                        seed=seed, group=group, meter=meter)
         samples = [o[0] for o in outs]
-        pairs = common.split_map(data.parse_teacher_batch, [s.text for s in samples], group)
+        values = split_map(parse, [s.text for s in samples], group)
         sampled += k
-        kept += [(s, p) for s, p in zip(samples, pairs) if p is not None]
+        kept += [(s, v) for s, v in zip(samples, values) if v is not None]
         if len(kept) >= need:
             return kept[:need], sampled
-    raise RuntimeError(f"the teacher produced only {len(kept)} valid question-answer pairs in "
-                       f"{sampled} samples ({max_rounds} rounds) at step {key}, {need} needed: "
-                       "it no longer follows the format of data.TEACHER_PROMPT "
-                       "(raise --max_rejection_rounds or check the model)")
+    raise RuntimeError(f"only {len(kept)} of {need} samples passed {what} in {sampled} samples "
+                       f"({len(round_seeds)} rounds)")
+
+
+def count_correct(llm, problems: list[dict], *, prompt, correct, n: int, max_tokens: int,
+                  seed: int, temperature: float = 1.0, group=None, chunk_prompts: int = 0,
+                  meter: Meter | None = None) -> list[int]:
+    """How many of n samples of prompt(question) are correct(completions, answers) per problem
+    ({"question", "answer"}): greedy accuracy (n = 1, temperature 0), pass@k and fail@k all count
+    this way. Sampled in chunks of prompts so 5000 x 128 samples never sit in memory at once;
+    request i carries seed + i whatever the chunking (generate), so results do not depend on it."""
+    step = chunk_prompts or max(1, 8192 // n)
+    counts = []
+    for lo in range(0, len(problems), step):
+        part = problems[lo:lo + step]
+        outs = generate(llm, [prompt(p["question"]) for p in part], n=n, temperature=temperature,
+                        max_tokens=max_tokens, seed=seed + lo, group=group, meter=meter)
+        pairs = [(s.text, p["answer"]) for o, p in zip(outs, part) for s in o]
+        right = split_map(lambda share: correct([c for c, _ in share], [a for _, a in share]),
+                          pairs, group)
+        counts += [sum(right[i * n:(i + 1) * n]) for i in range(len(part))]
+    return counts
 
 
 # -----------------------------------------------------------------------------
@@ -206,8 +365,6 @@ class Policy:
 
 
 def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()   # else a bar per load and per save_hf, in every log
     # each rank reads the (mmapped) safetensors, fully_shard keeps its shard on the mesh device;
     # trained weights stay fp32 (AdamW steps at lr 1e-5 vanish in bf16), the frozen ref may be bf16.
@@ -256,7 +413,6 @@ def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: i
                 activation_checkpointing: bool = False) -> Policy:
     """The model in HF folder `path`, sharded over mesh, with AdamW and, if kl_coef > 0, a frozen
     copy of it as the KL reference (METHOD.md "Hyperparameters": KL to the start model)."""
-    from transformers import AutoConfig
     model = _load_sharded(path, mesh, True, activation_checkpointing)
     ref = _load_sharded(path, mesh, False) if kl_coef > 0 else None
     cfg_dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
@@ -287,13 +443,17 @@ class _SharedPrompts(DynamicLayer):
     the new ones; built with each row's prompt's, it returns them joined to the new ones."""
     def __init__(self, keys=None, values=None):
         super().__init__()
-        self.keys, self.values, self.is_initialized = keys, values, keys is not None
+        self.keys = keys
+        self.values = values
+        self.is_initialized = keys is not None
         self.read_only = keys is not None
 
     def update(self, keys, values, *args, **kwargs):
         if self.read_only:
             return torch.cat([self.keys, keys], -2), torch.cat([self.values, values], -2)
-        self.keys, self.values, self.is_initialized = keys, values, True
+        self.keys = keys
+        self.values = values
+        self.is_initialized = True
         return keys, values
 
 
@@ -330,7 +490,8 @@ def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]]
               position_ids=P[:, None] + torch.arange(c_ids.shape[1], device=dev),
               past_key_values=cache, use_cache=False).logits
     hidden = torch.cat([h_prompt[which, P - 1, None], h[:, :-1]], 1)   # position t predicts c_t
-    step, weight = max(1, LOGIT_CHUNK_TOKENS // len(completions)), model.lm_head.weight
+    step = max(1, LOGIT_CHUNK_TOKENS // len(completions))
+    weight = model.lm_head.weight
     return torch.cat([checkpoint(_head_logprobs, hidden[:, i:i + step], weight,
                                  c_ids[:, i:i + step], temperature, use_reentrant=False)
                       for i in range(0, hidden.shape[1], step)], 1), c_attn.float()
@@ -369,12 +530,13 @@ def sept_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
 def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                advantages: list[float], *, loss, temperature: float,
-               micro_batch_tokens: int = 16384) -> dict:
+               micro_batch_tokens: int = 16384, meter: Meter | None = None) -> dict:
     """One update on this rank's rows of the batch (every rank of policy.mesh calls it with its
     own): `loss` (rloo_loss) of the log-probs at `temperature` (the one sampled at: on-policy),
     summed over the micro-batches, divided by the completion tokens of the GLOBAL batch and, as FSDP
     averages gradients over ranks, times the mesh size."""
-    dev, group = policy.device, policy.mesh.get_group()
+    dev = policy.device
+    group = policy.mesh.get_group()
     world = dist.get_world_size(group)
     stats = torch.tensor([float(sum(len(c) for c in completion_ids)), 0.0, 0.0],
                          dtype=torch.float64, device=dev)
@@ -394,19 +556,21 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
         if policy.ref is not None:
             with torch.no_grad():
                 ref_logp = token_logprobs(policy.ref, *batch, temperature, dev)[0]
-            common.reshard(policy.ref)   # else its root (embeddings, head) stays gathered (0.7 GiB)
+            reshard(policy.ref)   # else its root (embeddings, head) stays gathered (0.7 GiB)
         adv = torch.tensor([[advantages[i]] for i in rows] or [[0.0]], device=dev)
         total, pg, kl = loss(logp, ref_logp, adv, mask, policy.kl_coef)
         (total * scale * (1.0 if rows else 0.0)).backward()
         stats[1] += pg
         stats[2] += kl
     dist.all_reduce(stats[1:], group=group)
-    common.count("trained", sum(map(len, prompt_ids)) + sum(map(len, completion_ids)))
+    if meter is not None:
+        meter.count("trained", sum(map(len, prompt_ids)) + sum(map(len, completion_ids)))
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), policy.grad_clip)
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
     lr = policy.scheduler.get_last_lr()[0]
-    pg_loss, kl = stats[1].item() / max(n_tokens, 1.0), stats[2].item() / max(n_tokens, 1.0)
+    pg_loss = stats[1].item() / max(n_tokens, 1.0)
+    kl = stats[2].item() / max(n_tokens, 1.0)
     finite = all(map(math.isfinite, (pg_loss, kl, grad_norm.item())))   # all-reduced: ranks agree
     if finite:
         policy.optimizer.step()
@@ -414,45 +578,60 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
     policy.optimizer.zero_grad(set_to_none=True)
     policy.nonfinite = 0 if finite else policy.nonfinite + 1
     if not finite:
-        common.count("skipped_updates")
+        if meter is not None:
+            meter.count("skipped_updates")
         msg = f"non-finite loss {pg_loss}, KL {kl} or gradient norm {grad_norm.item()}"
         if policy.nonfinite >= MAX_NONFINITE:
             raise RuntimeError(f"{msg} in {policy.nonfinite} updates in a row: stopping "
                                "(see MAX_NONFINITE in rloo.py)")
-        common.print0(f"rloo.train_step: {msg}: update skipped", file=sys.stderr)
+        print0(f"rloo.train_step: {msg}: update skipped", file=sys.stderr)
     return dict(loss=pg_loss + policy.kl_coef * kl, pg_loss=pg_loss, kl=kl,
                 grad_norm=grad_norm.item(), lr=lr, tokens=n_tokens, skipped=not finite)
 
 
-def student_step(policy: Policy, llm, batch: list[tuple[str, str]], *, samples: int,
-                 temperature: float, max_tokens: int, seed: int, group, micro_batch_tokens: int,
-                 advantages, loss, train_temperature: float | None = None) -> dict:
-    """One student step on (question, answer) pairs (METHOD.md "Inner loop"; also eval.py's fresh
-    students): sync, sample `samples` per question on the group's engines, grade (METHOD.md
-    "Rewards"), `advantages` of each question's [samples] rewards (rloo_advantages: leave-one-out;
-    sept_advantages: all 1), one `loss` update at train_temperature (default: the sampling one).
-    `nontrivial`: per question, did its rewards vary."""
-    with common.timed("sync"):
+def rl_step(policy: Policy, llm, batch: list[tuple[str, str]], *, prompt, reward, samples: int,
+            temperature: float, max_tokens: int, seed: int, group, micro_batch_tokens: int,
+            advantages, loss, train_temperature: float | None = None,
+            meter: Meter | None = None) -> dict:
+    """One RL step on (question, answer) pairs (METHOD.md "Inner loop"; also eval.py's fresh
+    students): sync, sample `samples` completions of prompt(question) per question on the group's
+    engines, score them with reward(completions, answers) (split over the ranks), `advantages` of
+    each question's [samples] rewards (rloo_advantages: leave-one-out; sept_advantages: all 1), one
+    `loss` update at train_temperature (default: the sampling one). Phases: sync, student_rollouts
+    (sampling and scoring). Returns train_step's stats, the mean `reward`, `rewards` (flat, question
+    by question) and `nontrivial`: per question, did its rewards vary."""
+    meter = meter or Meter()
+    with meter.timed("sync"):
         sync_weights(policy, llm)
-    with common.timed("student_rollouts"):
-        outs = generate(llm, [data.student_prompt(q) for q, _ in batch], n=samples,
-                        temperature=temperature, max_tokens=max_tokens, seed=seed, group=group)
+    with meter.timed("student_rollouts"):
+        outs = generate(llm, [prompt(q) for q, _ in batch], n=samples, temperature=temperature,
+                        max_tokens=max_tokens, seed=seed, group=group, meter=meter)
         flat = [(smp, a) for o, (_, a) in zip(outs, batch) for smp in o]
-        rewards = grade([smp.text for smp, _ in flat], [a for _, a in flat], group)
+        rewards = split_map(lambda share: reward([s.text for s, _ in share], [a for _, a in share]),
+                            flat, group)
     table = torch.tensor(rewards).view(len(batch), samples)
-    rows = common.my_share([(smp, a) for (smp, _), a in
-                            zip(flat, advantages(table).flatten().tolist())], group)
+    adv = advantages(table).flatten().tolist()
+    rows = my_share([(smp, a) for (smp, _), a in zip(flat, adv)], group)
+    if train_temperature is None:
+        train_temperature = temperature
     stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows],
                        [smp.token_ids for smp, _ in rows], [a for _, a in rows], loss=loss,
-                       temperature=temperature if train_temperature is None else train_temperature,
-                       micro_batch_tokens=micro_batch_tokens)
-    return {**stats, "reward": sum(rewards) / len(rewards),
-            "nontrivial": (table.std(1) > 0).tolist(),
-            "accuracy": sum(r == data.R_CORRECT for r in rewards) / len(rewards)}
+                       temperature=train_temperature, micro_batch_tokens=micro_batch_tokens,
+                       meter=meter)
+    return {**stats, "reward": sum(rewards) / len(rewards), "rewards": rewards,
+            "nontrivial": (table.std(1) > 0).tolist()}
 
 
 # -----------------------------------------------------------------------------
-# trainer -> engine weight sync, snapshots, HF folders
+# trainer -> engine weight sync, snapshots, sharded state, HF folders
+
+def reshard(model) -> None:
+    """reshard every FSDP2 unit: after a forward with no backward (no_grad), the root stays
+    unsharded"""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
 
 def sync_weights(policy: Policy, llm) -> None:
     """Stream the full weights into this rank's engine one tensor at a time (a generator, consumed
@@ -461,7 +640,7 @@ def sync_weights(policy: Policy, llm) -> None:
     logits (1.3 nats off in our tests). model.load_weights fails on the CPU runner; reload_weights
     works, and takes a generator as external_launcher runs the worker in this process."""
     dtype = llm.llm_engine.model_config.dtype
-    common.reshard(policy.model)
+    reshard(policy.model)
 
     def weights():
         for name, p in policy.model.state_dict().items():
@@ -475,21 +654,22 @@ def sync_weights(policy: Policy, llm) -> None:
     llm.reset_prefix_cache()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
 def snapshot(policy: Policy) -> dict[str, torch.Tensor]:
     """clone of this rank's local shards, on CPU (students restart from theta in memory)"""
-    common.reshard(policy.model)
-    return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
-            for n, p in policy.model.named_parameters()}
+    reshard(policy.model)
+    return {n: _local(p).detach().to("cpu", copy=True) for n, p in policy.model.named_parameters()}
 
 
 @torch.no_grad()
 def restore(policy: Policy, snap: dict[str, torch.Tensor]) -> None:
-    common.reshard(policy.model)
+    reshard(policy.model)
     for n, p in policy.model.named_parameters():
-        (p.to_local() if isinstance(p, DTensor) else p).copy_(snap[n])
+        _local(p).copy_(snap[n])
 
 
 @torch.no_grad()
@@ -504,16 +684,62 @@ def broadcast_snapshot(snap: dict[str, torch.Tensor], src: int, group) -> None:
             t.copy_(buf)
 
 
+def _state(policy: Policy, optimizer: bool) -> dict:
+    reshard(policy.model)
+    if optimizer:
+        msd, osd = get_state_dict(policy.model, policy.optimizer)
+    else:
+        msd = get_model_state_dict(policy.model)
+    if policy.model.lm_head.weight is policy.model.get_input_embeddings().weight:   # tied: once
+        msd.pop("lm_head.weight", None)
+    if optimizer:
+        return {"model": msd, "optim": osd, "sched": policy.scheduler.state_dict()}
+    return {"model": msd}
+
+
+def finite(policy: Policy, optimizer: bool = True) -> bool:
+    """are the weights (and AdamW moments) finite on every rank of the policy's mesh?"""
+    tensors = list(policy.model.parameters())
+    if optimizer:
+        tensors += [t for st in policy.optimizer.state.values() for t in st.values() if t.dim()]
+    ok = torch.stack([torch.isfinite(_local(t)).all() for t in tensors]).all().float()
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=policy.mesh.get_group())
+    return bool(ok.item())
+
+
+def save_state(policy: Policy, path: str, optimizer: bool = True) -> None:
+    """The weights and, if `optimizer`, the AdamW and schedule state, sharded (torch.distributed.
+    checkpoint; all ranks of the job call; the folder must be on a filesystem all ranks see). On a
+    sub-mesh (students) the groups' copies are deduplicated, so must hold the same weights (theta).
+    Not atomic itself: write it into a folder that appears in one rename."""
+    dcp.save(_state(policy, optimizer), checkpoint_id=path)
+
+
+def load_state(policy: Policy, path: str, optimizer: bool = True) -> None:
+    state = _state(policy, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    opts = StateDictOptions(strict=False)   # lm_head.weight: tied, loaded as the embedding
+    if optimizer:
+        set_state_dict(policy.model, policy.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=opts)
+        policy.scheduler.load_state_dict(state["sched"])
+    else:
+        set_model_state_dict(policy.model, state["model"], options=opts)
+    if not finite(policy, optimizer):
+        raise RuntimeError(f"{path} holds non-finite weights or optimizer state; move its "
+                           "checkpoint aside to resume from the one before")
+
+
 def save_hf(policy: Policy, path: str, tokenizer=None, version: int = 0,
             extra: dict | None = None) -> None:
     """Gather the full weights on rank 0 and write an HF folder that from_pretrained / vLLM load
     (safetensors, in the dtype of the checkpoint the policy started from), with `extra` json files.
     It is written as path.v<version>/, then `path`, a symbolic link, is switched to it in one
     os.replace: a reader finds the old folder or the new one, never none. All ranks call."""
-    common.reshard(policy.model)
-    sd = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True,
-                                                                     cpu_offload=True))
-    if common.rank0():
+    reshard(policy.model)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd = get_model_state_dict(policy.model, options=options)
+    if rank0():
         target = f"{path}.v{version}"
         for d in (target + ".tmp", target):
             shutil.rmtree(d, ignore_errors=True)
@@ -522,7 +748,8 @@ def save_hf(policy: Policy, path: str, tokenizer=None, version: int = 0,
         if tokenizer is not None:
             tokenizer.save_pretrained(target + ".tmp")
         for name, obj in (extra or {}).items():
-            data.write_json(os.path.join(target + ".tmp", name), obj)
+            with open(os.path.join(target + ".tmp", name), "w", encoding="utf-8") as f:
+                json.dump(obj, f, indent=1)
         os.rename(target + ".tmp", target)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)   # a plain folder, as earlier versions wrote

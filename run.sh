@@ -52,4 +52,31 @@ if ((GPUS == 0)) && [[ " $* " != *" --verbose "* ]]; then
   export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
 fi
 if ((GPUS > 1)); then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
-exec torchrun --standalone --nproc_per_node "$((GPUS > 0 ? GPUS : 1))" soar.py "$@"
+
+# torchrun's own report of failed ranks (a log line, its traceback, a summary) follows every error.
+# After a usage error (every failed rank exited 2, launch.USAGE_EXIT) soar.py has said what is wrong
+# in one line, so the report is dropped and run.sh exits 2; after any other error it is kept, after the ranks' own.
+# Everything before the report passes at once, byte for byte (the progress bar's \r too).
+QUIET_AFTER_USAGE_ERRORS='
+import os, re
+held = b""
+while chunk := os.read(0, 1 << 16):
+    if not held and (i := chunk.find(b"failed (exitcode: ")) < 0:
+        os.write(2, chunk)
+        continue
+    if not held:
+        start = chunk.rfind(b"\n", 0, i) + 1
+        os.write(2, chunk[:start])
+        chunk = chunk[start:]
+    held += chunk
+if held and set(re.findall(rb"exitcode *: *(-?[0-9]+)", held)) == {b"2"}:
+    raise SystemExit(2)   # a usage error: the exit code of run.sh too
+os.write(2, held)
+'
+exec 3> >(python -c "$QUIET_AFTER_USAGE_ERRORS")
+filter=$!
+rc=0
+torchrun --standalone --nproc_per_node "$((GPUS > 0 ? GPUS : 1))" soar.py "$@" 2>&3 || rc=$?
+exec 3>&-
+wait "$filter" || rc=$?   # the filter's last lines; 2 after a usage error
+exit $rc

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
-import common
 import data
+import launch
 import rloo
 import world
 
@@ -42,49 +42,58 @@ import world
 @dataclasses.dataclass
 class Config:
     # ---- models and data ----
-    model: str = ""             # base model (teacher and students start here); "" = built-in world
-    world: str = "default"      # the built-in world without --model: default, or small (the tests')
-    train: str = ""             # hard train split (jsonl/parquet, question/answer); "" = world's
-    out: str = "runs/soar"      # output folder; rerunning on it resumes
-    seed: int = 0               # every random draw derives from it (common.seed_of)
+    model: str = launch.flag("",
+        'base model (teacher and students start here); "" = built-in world')
+    world: str = launch.flag("default",
+        "the built-in world without --model: default, or small (the tests')")
+    train: str = launch.flag("",
+        "hard train split (jsonl/parquet, question/answer); \"\" = world's")
+    out: str = launch.flag("runs/soar", "output folder; rerunning on it resumes")
+    seed: int = launch.flag(0, "every random draw derives from it (launch.seed_of)")
     # ---- outer loop (METHOD.md "Algorithm 1", "Hyperparameters"); the paper's g, n, r, M are
     # spelled out because torchrun would take --n, --r, --m as its own ----
-    outer_steps: int = 200      # T
-    num_datasets: int = 4       # g: datasets per step (the teacher's RLOO group)
-    dataset_size: int = 64      # n: pairs per dataset
-    students: int = 4           # r: students per dataset
-    qr_size: int = 64           # M = |Q_R|: hard train questions per step
-    tau: float = 0.01           # promotion threshold on the moving average
-    window: int = 3             # w: moving-average window
-    reward: str = "grounded"    # grounded (SOAR), learnability (Intrinsic-T) or opensir
-    learnability_samples: int = 32  # learnability, opensir: samples per question for its solve rate
-    max_rejection_rounds: int = 8   # teacher sampling rounds before giving up on g*n valid pairs
+    outer_steps: int = launch.flag(200, "T", least=1)
+    num_datasets: int = launch.flag(4, "g: datasets per step (the teacher's RLOO group)")
+    dataset_size: int = launch.flag(64, "n: pairs per dataset", least=1)
+    students: int = launch.flag(4, "r: students per dataset")
+    qr_size: int = launch.flag(64, "M = |Q_R|: hard train questions per step")
+    tau: float = launch.flag(0.01, "promotion threshold on the moving average")
+    window: int = launch.flag(3, "w: moving-average window", least=1)
+    reward: str = launch.flag("grounded", "grounded (SOAR), learnability (Intrinsic-T) or opensir")
+    learnability_samples: int = launch.flag(32,
+        "learnability, opensir: samples per question for its solve rate", least=1)
+    max_rejection_rounds: int = launch.flag(8,
+        "teacher sampling rounds before giving up on g*n valid pairs", least=1)
     # ---- inner loop (METHOD.md "Inner loop"): S = inner_steps + inner_step_inc *
     # min(promotions, inner_step_cap) ----
-    inner_steps: int = 10       # S before any promotion
-    inner_step_inc: int = 5     # S grows by this per promotion...
-    inner_step_cap: int = 2     # ...for at most this many promotions
-    student_questions: int = 8  # questions per student step
-    student_samples: int = 32   # samples per question (the student's RLOO group)
+    inner_steps: int = launch.flag(10, "S before any promotion", least=1)
+    inner_step_inc: int = launch.flag(5, "S grows by this per promotion...", least=0)
+    inner_step_cap: int = launch.flag(2, "...for at most this many promotions", least=0)
+    student_questions: int = launch.flag(8, "questions per student step", least=1)
+    student_samples: int = launch.flag(32, "samples per question (the student's RLOO group)")
     # ---- optimisation (METHOD.md "Hyperparameters") ----
-    teacher_lr: float = 1e-5    # AdamW, cosine over outer_steps
-    teacher_warmup: int = 20    # teacher lr warmup steps
-    student_lr: float = 1e-5    # AdamW, cosine over S, no warmup
-    kl_coef: float = 0.001      # k3 KL to the model the run started from
+    teacher_lr: float = launch.flag(1e-5, "AdamW, cosine over outer_steps")
+    teacher_warmup: int = launch.flag(20, "teacher lr warmup steps")
+    student_lr: float = launch.flag(1e-5, "AdamW, cosine over S, no warmup")
+    kl_coef: float = launch.flag(0.001, "k3 KL to the model the run started from")
     # ---- sampling ----
-    teacher_max_tokens: int = 512   # new tokens per teacher sample
-    student_max_tokens: int = 1024  # new tokens per student completion
-    temperature: float = 1.0    # sampling temperature (Acc on Q_R is greedy)
+    teacher_max_tokens: int = launch.flag(512, "new tokens per teacher sample", least=1)
+    student_max_tokens: int = launch.flag(1024, "new tokens per student completion", least=1)
+    temperature: float = launch.flag(1.0, "sampling temperature (Acc on Q_R is greedy)")
     # ---- systems ----
-    student_groups: int = 0     # G; 0 = as many as fit (a divisor of the ranks, <= g*r)
-    micro_batch_tokens: int = 16384  # tokens per forward/backward pass (rows x longest row)
-    activation_checkpointing: bool = True   # recompute activations: a 3B student fits beside vLLM
-    gpu_memory_utilization: float = 0.3     # the vLLM engine's share of GPU memory
-    save_every: int = 10        # write HF teacher/, student/ every this many steps and at the end
-    verbose: bool = False       # keep vLLM's warnings and load bars on the console
+    student_groups: int = launch.flag(0,
+        "G; 0 = as many as fit (a divisor of the ranks, <= g*r)", least=0)
+    micro_batch_tokens: int = launch.flag(16384,
+        "tokens per forward/backward pass (rows x longest row)")
+    activation_checkpointing: bool = launch.flag(True,
+        "recompute activations: a 3B student fits beside vLLM")
+    gpu_memory_utilization: float = launch.flag(0.3, "the vLLM engine's share of GPU memory")
+    save_every: int = launch.flag(10,
+        "write HF teacher/, student/ every this many steps and at the end", least=1)
+    verbose: bool = launch.flag(False, "keep vLLM's warnings and load bars on the console")
     # ---- tracking ----
-    wandb: str = ""             # W&B project: log every metrics.jsonl row there ("" = no W&B)
-    wandb_name: str = ""        # the W&B run's name ("" = W&B picks one)
+    wandb: str = launch.flag("", 'W&B project: log every metrics.jsonl row there ("" = no W&B)')
+    wandb_name: str = launch.flag("", "the W&B run's name (\"\" = W&B picks one)")
 
 
 # the OpenSIR-style teacher reward (METHOD.md "OpenSIR-style reward")
@@ -92,10 +101,10 @@ OPENSIR_BAND = (0.1, 0.9)   # calibrated: the baseline student's solve rate is i
 OPENSIR_DIVERSITY = 0.5     # weight of novelty, 1 - max cosine similarity to an archived question
 OPENSIR_ARCHIVE = 1024      # novelty compares to the teacher's latest valid questions (past steps)
 
-COUNTS = {1: ("outer_steps", "dataset_size", "window", "learnability_samples", "save_every",
-              "max_rejection_rounds", "inner_steps", "student_questions", "teacher_max_tokens",
-              "student_max_tokens"),
-          0: ("inner_step_inc", "inner_step_cap", "student_groups")}   # flags' least values (check)
+# the error of a teacher that stops writing valid pairs (teacher_samples)
+TEACHER_FILTER = ("the format filter at step {step}: the teacher no longer writes valid "
+                  "question-answer pairs in the format of data.TEACHER_PROMPT (raise "
+                  "--max_rejection_rounds or check the model)")
 OUTPUTS = ("metrics.jsonl", "pq.jsonl", "questions.jsonl")   # the rows a step commits (commit_step)
 # settings a resumed run may change without invalidating its checkpoint
 MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpointing",
@@ -103,12 +112,8 @@ MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpoint
 
 
 def parse_args(argv=None) -> Config:
-    p = common.config_parser(Config, world.PRESET, description=__doc__)
-    cfg = common.config_from(Config, vars(p.parse_args(argv)), world.PRESET)
-    if cfg.reward not in TEACHER_REWARDS:   # (rank 0 says it; the others exit)
-        (p.error if common.rank0() else lambda _: sys.exit(2))(
-            f"--reward must be one of {', '.join(TEACHER_REWARDS)}, not {cfg.reward!r}")
-    return cfg
+    p = launch.config_parser(Config, world.PRESET, description=__doc__)
+    return launch.config_from(Config, vars(p.parse_args(argv)), world.PRESET)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,6 +181,17 @@ def opensir(success_rates: list[float], emb: np.ndarray, archive: np.ndarray) ->
 # ---------------------------------------------------------------------------------------------
 # Algorithm 1
 
+@dataclasses.dataclass
+class Step:
+    """What one outer step's teacher reward (step 5) is given: the g datasets, Q_R and the
+    baseline's Acc0 on it (this student group's), and the meter of the step's phases."""
+    index: int
+    datasets: list          # g lists of n (question, answer) pairs: X_1..X_g
+    q_r: list[dict]         # M hard train problems
+    acc0: float
+    meter: rloo.Meter
+
+
 def main(cfg: Config):
     cfg = world.resolve(cfg)   # without --model: the built-in world's model and hard set (cached)
     run = setup(cfg)           # ranks, meshes, engine, teacher, student, theta; None if finished
@@ -183,158 +199,196 @@ def main(cfg: Config):
         return
     if run.state["step"] >= cfg.outer_steps:   # finished, killed while writing teacher/, student/
         return save_hf(cfg, run, run.state)
-    state, theta, g, n = run.state, run.theta, cfg.num_datasets, cfg.dataset_size
-    prompt, pq_path, first_step = (data.teacher_prompt(run.tok), os.path.join(cfg.out, "pq.jsonl"),
-                                   state["step"])
+    state = run.state
+    first_step = state["step"]
     bar = tqdm(range(first_step, cfg.outer_steps), initial=first_step, total=cfg.outer_steps,
-               disable=not common.rank0(), desc="SOAR", dynamic_ncols=True)
+               disable=not rloo.rank0(), desc="SOAR", dynamic_ncols=True)
     for step in bar:
-        common.TIMES.clear()
-        common.reset_counts()
+        meter = rloo.Meter()
+        faults = data.grading_faults()
         t_step = time.perf_counter()
-        S = inner_steps(cfg, state["promotions"])
+        S = inner_steps(cfg, state["promotions"])   # this step's inner loop (a promotion: next's)
         # 1-2. the teacher samples g*n valid pairs (by rejection), split in order into X_1..X_g
-        with common.timed("teacher_generation"):
-            with common.timed("sync"):
-                rloo.sync_weights(run.teacher, run.llm)
-            kept, sampled = rloo.sample_teacher(run.llm, prompt, need=g * n, seed=cfg.seed,
-                                                max_tokens=cfg.teacher_max_tokens, key=step,
-                                                temperature=cfg.temperature, group=dist.group.WORLD,
-                                                max_rounds=cfg.max_rejection_rounds)
-        datasets = [[p for _, p in kept[k * n:(k + 1) * n]] for k in range(g)]
-        # 3-4. a fresh Q_R; the baseline's greedy accuracy on it, once per step and student group:
-        # on the group's own engines, as its trained students are measured (greedy bf16 decoding
-        # is not batch-invariant: Acc0 from other engines or batches could differ by more than tau)
-        q_r = data.sample_questions(run.hard, cfg.qr_size,
-                                    random.Random(common.seed_of(cfg.seed, step, "q_r")))
-        rloo.restore(run.student, theta)
-        with common.timed("sync"):
-            rloo.sync_weights(run.student, run.llm)
-        with common.timed("evaluation"):
-            acc0 = accuracy(cfg, run.llm, q_r, run.mesh["fsdp"].get_group())
+        kept, sampled = teacher_samples(cfg, run, step, meter)
+        datasets = split_datasets([pair for _, pair in kept], cfg.num_datasets)
+        # 3-4. a fresh Q_R and the baseline's greedy accuracy on it
+        q_r = sample_q_r(cfg, run, step)
+        acc0 = baseline_accuracy(cfg, run, q_r, meter)
         # 5. the g x r table R: grounded, R_kj = Acc(a student trained on X_k from theta) - Acc0;
         # the intrinsic baselines, one column: X_k's mean reward (TEACHER_REWARDS)
         teacher_reward = TEACHER_REWARDS[cfg.reward]
-        R, snaps, held = teacher_reward.fn(cfg, run, theta, datasets, q_r, acc0, step, state)
+        R, snaps, held = teacher_reward.fn(cfg, run, Step(step, datasets, q_r, acc0, meter))
         R_k = [sum(row) / len(row) for row in R]
         # 6-7. Rhat, MA, promotion (intrinsic baselines train no students, so they never promote)
         tau = cfg.tau if teacher_reward.promotes else float("inf")
         reward, ma, chosen, state["history"] = decide(state["history"], R, cfg.window, tau)
         if chosen:
-            theta = promote(cfg, run, chosen, snaps, theta)
+            run.theta = promote(cfg, run, chosen, snaps, meter)
             state["promotions"] += 1
-            state["pq"] += n
+            state["pq"] += cfg.dataset_size
         del snaps
         # 8. teacher RLOO update: every completion of X_k gets A_k
-        with common.timed("teacher_update"):
-            adv = teacher_advantages(R_k)
-            rows = common.my_share([(s, adv[i // n]) for i, (s, _) in enumerate(kept)])
-            stats = rloo.train_step(run.teacher, [s.prompt_token_ids for s, _ in rows],
-                                    [s.token_ids for s, _ in rows], [a for _, a in rows],
-                                    loss=rloo.rloo_loss, temperature=cfg.temperature,
-                                    micro_batch_tokens=cfg.micro_batch_tokens)
+        stats = teacher_update(cfg, run, kept, R_k, meter)
         state["step"] = step + 1
-        acc0_groups = common.all_gather(acc0)[::run.mesh["fsdp"].size()]   # group 0's is acc0
-        row = dict(step=step, acc0=acc0, acc0_groups=acc0_groups, R=R, R_k=R_k, reward=reward,
-                   ma=ma, promoted=bool(chosen), promoted_k=chosen[0] if chosen else None,
+        row = dict(step=step, acc0=acc0,
+                   acc0_groups=rloo.all_gather(acc0)[::run.mesh["fsdp"].size()],   # group 0's: acc0
+                   R=R, R_k=R_k, reward=reward, ma=ma, promoted=bool(chosen),
+                   promoted_k=chosen[0] if chosen else None,
                    promoted_j=chosen[1] if chosen else None, promotions=state["promotions"],
-                   inner_steps=S, teacher_valid_rate=len(kept) / sampled, teacher_samples=sampled,
+                   inner_steps=S,
+                   teacher_valid_rate=len(kept) / sampled, teacher_samples=sampled,
                    teacher_loss=stats["loss"], teacher_kl=stats["kl"], snapshots=held,
-                   **{k: round(v, 3) for k, v in common.TIMES.items()},
+                   **{k: round(v, 3) for k, v in meter.seconds.items()},
                    total=round(time.perf_counter() - t_step, 3))
-        row.update(counts(cfg, run))
-        pq_rows = [{"question": q, "answer": a, "step": step}
-                   for q, a in datasets[chosen[0]]] if chosen else []
+        row.update(throughput(cfg, run, meter, faults))
+        pq_rows = []
+        if chosen:
+            pq_rows = [{"question": q, "answer": a, "step": step} for q, a in datasets[chosen[0]]]
         q_rows = [{"question": q, "answer": a, "step": step, "k": k, "R_k": R_k[k]}
                   for k, X in enumerate(datasets) for q, a in X]   # the curriculum
-        commit_step(cfg, run, state, theta, {"metrics.jsonl": [row], "pq.jsonl": pq_rows,
-                                             "questions.jsonl": q_rows}, promoted=bool(chosen))
-        if common.rank0():
-            bar.write(f"step {step + 1}/{cfg.outer_steps}  reward {reward:+.3f}  MA "
-                      f"{'-' if ma is None else f'{ma:+.3f}'}  promotions {state['promotions']}  "
-                      f"valid {len(kept) / sampled:.0%}  {row['total']:.0f} s")
-    common.print0(f"done: {cfg.out}/metrics.jsonl, {pq_path} ({state['pq']} promotion questions), "
-                  f"{cfg.out}/teacher, {cfg.out}/student")
+        commit_step(cfg, run, state, {"metrics.jsonl": [row], "pq.jsonl": pq_rows,
+                                      "questions.jsonl": q_rows}, promoted=bool(chosen))
+        if rloo.rank0():
+            ma_text = "-" if ma is None else f"{ma:+.3f}"
+            bar.write(f"step {step + 1}/{cfg.outer_steps}  reward {reward:+.3f}  MA {ma_text}  "
+                      f"promotions {state['promotions']}  valid {len(kept) / sampled:.0%}  "
+                      f"{row['total']:.0f} s")
+    rloo.print0(f"done: {cfg.out}/metrics.jsonl, {cfg.out}/pq.jsonl ({state['pq']} promotion "
+                f"questions), {cfg.out}/teacher, {cfg.out}/student")
     if run.wandb:
         run.wandb["run"].finish()
 
 
 # ---------------------------------------------------------------------------------------------
-# the pieces of one outer step
+# the pieces of one outer step, in the order of Algorithm 1
 
-def accuracy(cfg: Config, llm, questions: list[dict], group) -> float:
-    """Greedy accuracy (METHOD.md "Rewards": Acc is binary, greedy) on the engines of group."""
-    counts = rloo.correct_counts(llm, questions, n=1, temperature=0.0,
-                                 max_tokens=cfg.student_max_tokens, seed=0, group=group)
+def teacher_samples(cfg: Config, run, step: int, meter: rloo.Meter) -> tuple[list, int]:
+    """Steps 1-2: g*n valid pairs from the teacher, by rejection sampling on all W engines
+    (METHOD.md "Format filter"); round i draws from seed_of(seed, step, "teacher", i). Returns the
+    kept (Sample, (question, answer)) in sampling order and the number of samples drawn."""
+    with meter.timed("teacher_generation"):
+        with meter.timed("sync"):
+            rloo.sync_weights(run.teacher, run.llm)
+        seeds = [launch.seed_of(cfg.seed, step, "teacher", i)
+                 for i in range(cfg.max_rejection_rounds)]
+        return rloo.sample_until(run.llm, data.teacher_prompt(run.tok),
+                                 need=cfg.num_datasets * cfg.dataset_size,
+                                 parse=data.parse_teacher_batch, round_seeds=seeds,
+                                 max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,
+                                 what=TEACHER_FILTER.format(step=step), group=dist.group.WORLD,
+                                 meter=meter)
+
+
+def split_datasets(pairs: list, g: int) -> list[list]:
+    """X_1..X_g: the pairs split in order into g datasets of equal size"""
+    n = len(pairs) // g
+    return [pairs[k * n:(k + 1) * n] for k in range(g)]
+
+
+def sample_q_r(cfg: Config, run, step: int) -> list[dict]:
+    """Step 3: a fresh Q_R of M hard train problems"""
+    rng = random.Random(launch.seed_of(cfg.seed, step, "q_r"))
+    return data.sample_questions(run.hard, cfg.qr_size, rng)
+
+
+def baseline_accuracy(cfg: Config, run, q_r: list[dict], meter: rloo.Meter) -> float:
+    """Step 4: Acc0, the baseline student's greedy accuracy on Q_R, once per step and student group:
+    on the group's own engines, as its trained students are measured (greedy bf16 decoding is not
+    batch-invariant: Acc0 from other engines or batches could differ by more than tau)."""
+    rloo.restore(run.student, run.theta)
+    with meter.timed("sync"):
+        rloo.sync_weights(run.student, run.llm)
+    with meter.timed("evaluation"):
+        return accuracy(cfg, run, q_r, meter)
+
+
+def accuracy(cfg: Config, run, questions: list[dict], meter: rloo.Meter) -> float:
+    """Greedy accuracy (METHOD.md "Rewards": Acc is binary, greedy) on the group's engines."""
+    counts = rloo.count_correct(run.llm, questions, prompt=data.student_prompt,
+                                correct=data.solved, n=1, temperature=0.0,
+                                max_tokens=cfg.student_max_tokens, seed=0,
+                                group=run.mesh["fsdp"].get_group(), meter=meter)
     return sum(counts) / len(questions)
 
 
-def grounded(cfg: Config, run, theta, datasets, q_r, acc0, step, state):
+def train_student(cfg: Config, run, X: list, k: int, j: int, step: Step) -> None:
+    """Student j of dataset X_k (METHOD.md "Inner loop"): S RLOO steps from theta, with a fresh
+    optimizer, on batches of X_k in a shuffled order, on the group's engines."""
+    S = inner_steps(cfg, run.state["promotions"])
+    rloo.restore(run.student, run.theta)
+    rloo.reset_optimizer(run.student, lr=cfg.student_lr, warmup_steps=0, total_steps=S)
+    order = list(range(len(X)))
+    random.Random(launch.seed_of(cfg.seed, step.index, "order", k, j)).shuffle(order)
+    for s in range(S):
+        batch = [X[order[(s * cfg.student_questions + i) % len(order)]]
+                 for i in range(cfg.student_questions)]
+        rloo.rl_step(run.student, run.llm, batch, prompt=data.student_prompt, reward=data.grade,
+                     samples=cfg.student_samples, temperature=cfg.temperature,
+                     max_tokens=cfg.student_max_tokens,
+                     seed=launch.seed_of(cfg.seed, step.index, "student", k, j, s),
+                     group=run.mesh["fsdp"].get_group(), micro_batch_tokens=cfg.micro_batch_tokens,
+                     advantages=rloo.rloo_advantages, loss=rloo.rloo_loss, meter=step.meter)
+
+
+def grounded(cfg: Config, run, step: Step):
     """Step 5, SOAR's reward (METHOD.md "Inner loop"): each group trains its share of the g*r
-    students in turn, each from theta with a fresh optimizer, and measures it on Q_R. Returns the
-    g x r table R (on every rank), the promotion candidates this group must keep and the most any
-    rank keeps. The last student a group trains stays in its model until the decision; the others
-    are snapshots in host RAM, kept only if a promotion is possible this step (can_promote)."""
-    S, keep = inner_steps(cfg, state["promotions"]), can_promote(cfg, state["history"])
-    R, snaps, G, my_group = {}, {}, run.mesh["group"].size(), run.mesh.get_local_rank("group")
-    mine = students(cfg)[my_group::G]
+    students in turn (train_student) and measures each on Q_R. Returns the g x r table R (on every
+    rank), the promotion candidates this group must keep and the most any rank keeps. The last
+    student a group trains stays in its model until the decision; the others are snapshots in host
+    RAM, kept only if a promotion is possible this step (can_promote)."""
+    keep = can_promote(cfg, run.state["history"])
+    R = {}
+    snaps = {}
+    mine = students(cfg)[run.mesh.get_local_rank("group")::run.mesh["group"].size()]
     for k, j in mine:
-        rloo.restore(run.student, theta)
-        with common.timed("student_training"):
-            rloo.reset_optimizer(run.student, lr=cfg.student_lr, warmup_steps=0, total_steps=S)
-            order = list(range(len(datasets[k])))
-            random.Random(common.seed_of(cfg.seed, step, "order", k, j)).shuffle(order)
-            for s in range(S):
-                batch = [datasets[k][order[(s * cfg.student_questions + i) % len(order)]]
-                         for i in range(cfg.student_questions)]
-                rloo.student_step(run.student, run.llm, batch, samples=cfg.student_samples,
-                                  temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
-                                  seed=common.seed_of(cfg.seed, step, "student", k, j, s),
-                                  group=run.mesh["fsdp"].get_group(),
-                                  micro_batch_tokens=cfg.micro_batch_tokens,
-                                  advantages=rloo.rloo_advantages, loss=rloo.rloo_loss)
-        with common.timed("sync"):
+        with step.meter.timed("student_training"):
+            train_student(cfg, run, step.datasets[k], k, j, step)
+        with step.meter.timed("sync"):
             rloo.sync_weights(run.student, run.llm)
-        with common.timed("evaluation"):
-            R[k, j] = accuracy(cfg, run.llm, q_r, run.mesh["fsdp"].get_group()) - acc0
+        with step.meter.timed("evaluation"):
+            R[k, j] = accuracy(cfg, run, step.q_r, step.meter) - step.acc0
         if keep and (k, j) != mine[-1]:
             snaps[k, j] = rloo.snapshot(run.student)
-    parts = common.all_gather((R, len(snaps)))
+    parts = rloo.all_gather((R, len(snaps)))
     R = {kj: v for part, _ in parts for kj, v in part.items()}
-    return [[R[k, j] for j in range(cfg.students)]
-            for k in range(cfg.num_datasets)], snaps, max(n for _, n in parts)
+    table = [[R[k, j] for j in range(cfg.students)] for k in range(cfg.num_datasets)]
+    return table, snaps, max(n for _, n in parts)
 
 
-def solve_rates(cfg: Config, llm, datasets, step) -> tuple[list[str], list[float]]:
+def solve_rates(cfg: Config, run, step: Step) -> tuple[list[str], list[float]]:
     """the questions of the g datasets, flat, and the baseline student's solve rate on each (its
     weights are in the engines already): what the intrinsic rewards are made of"""
-    flat = [{"question": q, "answer": a} for X in datasets for q, a in X]
-    with common.timed("evaluation"):
-        counts = rloo.correct_counts(llm, flat, n=cfg.learnability_samples, group=dist.group.WORLD,
-                                     temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
-                                     seed=common.seed_of(cfg.seed, step, "learnability"))
+    flat = [{"question": q, "answer": a} for X in step.datasets for q, a in X]
+    with step.meter.timed("evaluation"):
+        counts = rloo.count_correct(run.llm, flat, prompt=data.student_prompt, correct=data.solved,
+                                    n=cfg.learnability_samples, group=dist.group.WORLD,
+                                    temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
+                                    seed=launch.seed_of(cfg.seed, step.index, "learnability"),
+                                    meter=step.meter)
     return [q["question"] for q in flat], [c / cfg.learnability_samples for c in counts]
 
 
-def learnability_reward(cfg: Config, run, theta, datasets, q_r, acc0, step, state):
+def learnability_reward(cfg: Config, run, step: Step):
     """Intrinsic-T (METHOD.md "Intrinsic-T"): R_k = X_k's mean learnability, no students."""
-    rates, n = solve_rates(cfg, run.llm, datasets, step)[1], cfg.dataset_size
+    rates = solve_rates(cfg, run, step)[1]
+    n = cfg.dataset_size
     return [[learnability(rates[k * n:(k + 1) * n])] for k in range(cfg.num_datasets)], {}, 0
 
 
-def opensir_reward(cfg: Config, run, theta, datasets, q_r, acc0, step, state):
+def opensir_reward(cfg: Config, run, step: Step):
     """R_k = X_k's mean OpenSIR-style reward (METHOD.md "OpenSIR-style reward"); the archive (in
-    state, so in the checkpoint) then takes this step's questions."""
-    questions, rates = solve_rates(cfg, run.llm, datasets, step)
-    per_q = opensir(rates, data.embed_ngram(questions), data.embed_ngram(state["archive"]))
-    state["archive"] = (state["archive"] + questions)[-OPENSIR_ARCHIVE:]
+    the run's state, so in the checkpoint) then takes this step's questions."""
+    questions, rates = solve_rates(cfg, run, step)
+    archive = run.state["archive"]
+    per_q = opensir(rates, data.embed_ngram(questions), data.embed_ngram(archive))
+    run.state["archive"] = (archive + questions)[-OPENSIR_ARCHIVE:]
     n = cfg.dataset_size
     return [[sum(per_q[k * n:(k + 1) * n]) / n] for k in range(cfg.num_datasets)], {}, 0
 
 
 @dataclasses.dataclass(frozen=True)
 class TeacherReward:
-    fn: object      # (cfg, run, theta, datasets, q_r, acc0, step, state) -> (R: g x r, snaps, held)
+    fn: object      # (cfg, run, step: Step) -> (R: g x r, snapshots kept, most snapshots held)
     promotes: bool  # trains students, so a step can promote one (METHOD.md "Promotion")
 
 
@@ -345,19 +399,33 @@ TEACHER_REWARDS = {"grounded": TeacherReward(grounded, promotes=True),
 
 
 def students(cfg: Config) -> list[tuple[int, int]]:
-    """the (k, j) of every student of a step; group i trains students[i::G] (train_students)"""
+    """the (k, j) of every student of a step; group i trains students[i::G] (grounded)"""
     return [(k, j) for k in range(cfg.num_datasets) for j in range(cfg.students)]
 
 
-def promote(cfg: Config, run, chosen, snaps, theta):
+def promote(cfg: Config, run, chosen, snaps, meter: rloo.Meter) -> dict:
     """theta := the chosen student (METHOD.md "Promotion"): its group broadcasts its shards to all.
     The group holds it as a snapshot, or still in its model if the group trained it last."""
     src = students(cfg).index(chosen) % run.mesh["group"].size()   # the group that trained it
+    theta = run.theta
     if run.mesh.get_local_rank("group") == src:
         theta = snaps[chosen] if chosen in snaps else rloo.snapshot(run.student)
-    with common.timed("sync"):
+    with meter.timed("sync"):
         rloo.broadcast_snapshot(theta, src, run.mesh["group"].get_group())
     return theta
+
+
+def teacher_update(cfg: Config, run, kept: list, R_k: list[float], meter: rloo.Meter) -> dict:
+    """Step 8 (METHOD.md "Teacher update"): one RLOO update of the teacher, every completion of X_k
+    with A_k, each rank on its share of the g*n samples"""
+    n = cfg.dataset_size
+    with meter.timed("teacher_update"):
+        adv = teacher_advantages(R_k)
+        rows = rloo.my_share([(s, adv[i // n]) for i, (s, _) in enumerate(kept)])
+        return rloo.train_step(run.teacher, [s.prompt_token_ids for s, _ in rows],
+                               [s.token_ids for s, _ in rows], [a for _, a in rows],
+                               loss=rloo.rloo_loss, temperature=cfg.temperature,
+                               micro_batch_tokens=cfg.micro_batch_tokens, meter=meter)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,13 +452,17 @@ def student_groups(cfg: Config, world_size: int) -> int:
 
 
 def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
-    """What in the settings cannot work, each naming its flag (layout: METHOD.md "Scale layout")."""
-    students, G = cfg.num_datasets * cfg.students, student_groups(cfg, world_size)
-    return common.too_small(cfg, COUNTS) + [msg for bad, msg in [
+    """What in the settings cannot work, each naming its flag (layout: METHOD.md "Scale layout");
+    the least value of each count is its field's (launch.flag)."""
+    students = cfg.num_datasets * cfg.students
+    G = student_groups(cfg, world_size)
+    checks = [
+        (cfg.reward not in TEACHER_REWARDS,
+         f"--reward {cfg.reward}: one of {', '.join(TEACHER_REWARDS)}"),
         (cfg.num_datasets < 2, f"--num_datasets {cfg.num_datasets}: RLOO over datasets "
                                "needs g >= 2"),
-        (TEACHER_REWARDS[cfg.reward].promotes and cfg.students < 1,
-         f"--students {cfg.students}: need r >= 1 per dataset"),
+        (TEACHER_REWARDS.get(cfg.reward, TEACHER_REWARDS["grounded"]).promotes
+         and cfg.students < 1, f"--students {cfg.students}: need r >= 1 per dataset"),
         (not 1 <= cfg.qr_size <= n_hard, f"--qr_size {cfg.qr_size}: each step samples "
                                          f"M={cfg.qr_size} questions from {cfg.train}, "
                                          f"which has {n_hard}"),
@@ -402,34 +474,50 @@ def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
         (cfg.micro_batch_tokens < seq_len, f"--micro_batch_tokens {cfg.micro_batch_tokens} is less "
                                            "than one sequence (prompt + completion: "
                                            f"up to {seq_len} tokens)"),
-    ] if bad]
+    ]
+    return launch.too_small(cfg) + [msg for bad, msg in checks if bad]
 
 
 def setup(cfg: Config) -> Run | None:
-    _, world_size, device = common.init_distributed()
-    tok = rloo.tokenizer(cfg.model)
+    """The run folder, then (unless the run is finished) the models: a Run, or None"""
+    _, world_size, device = rloo.init_distributed()
+    tok = launch.tokenizer(cfg.model)
     if not cfg.train:
-        raise SystemExit("--train is required with --model: the hard train split "
-                         "(jsonl/parquet, question/answer)")
-    made = not os.path.exists(cfg.out)   # (then removed again if the settings cannot work)
-    common.lock_folder(cfg.out)   # one run per folder: a second one is refused at once
-    hard = common.on_rank0(data.load_problems, cfg.train)   # one list: drops rest on timeouts
-    seq_len = rloo.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
-                              cfg.teacher_max_tokens)
-    if problems := check(cfg, world_size, len(hard), seq_len):
-        if made and common.rank0():
-            shutil.rmtree(cfg.out)
-        raise SystemExit("soar.py: error: these settings cannot work:\n  " + "\n  ".join(problems))
-    ckpt, state = common.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
+        raise launch.UsageError("--train is required with --model: the hard train split "
+                                "(jsonl/parquet, question/answer)")
+    hard, seq_len = open_folder(cfg, tok, world_size)
+    ckpt, state = launch.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
     state = state or dict(step=0, history=[], promotions=0, pq=0, archive=[])
-    common.restore_rows(cfg.out, ckpt, OUTPUTS)   # the files hold exactly the committed steps
+    launch.restore_rows(cfg.out, ckpt, OUTPUTS)   # the files hold exactly the committed steps
     wb = {}   # rank 0 with --wandb: the W&B run and the first step it does not hold
     if cfg.wandb:
-        common.on_rank0(track, cfg, state, wb)   # its error (no login) ends every rank
-    if state["step"] >= cfg.outer_steps and not common.on_rank0(common.hf_behind, cfg.out, state):
-        common.print0(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
+        rloo.on_rank0(track, cfg, state, wb)   # its error (no login) ends every rank
+    if state["step"] >= cfg.outer_steps and not rloo.on_rank0(launch.hf_behind, cfg.out, state):
+        rloo.print0(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
         return None
+    return load_models(cfg, device, world_size, tok, seq_len, hard, ckpt, state, wb)
 
+
+def open_folder(cfg: Config, tok, world_size: int) -> tuple[list[dict], int]:
+    """Lock --out (one run per folder), read the hard train split, check the settings (a folder
+    made here is removed again if they cannot work). Returns the split and the engines' context."""
+    made = not os.path.exists(cfg.out)
+    launch.lock_folder(cfg.out)   # a second run on the folder is refused at once
+    hard = launch.problems(cfg.train)   # one list: rank 0 drops what times out
+    seq_len = data.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
+                              cfg.teacher_max_tokens)
+    problems = check(cfg, world_size, len(hard), seq_len)
+    if problems:
+        if made and rloo.rank0():
+            shutil.rmtree(cfg.out)
+        raise launch.UsageError("these settings cannot work:\n  " + "\n  ".join(problems))
+    return hard, seq_len
+
+
+def load_models(cfg: Config, device, world_size: int, tok, seq_len: int, hard: list, ckpt,
+                state: dict, wb: dict) -> Run:
+    """The meshes, the engine, the teacher (sharded over all ranks) and this group's student, from
+    the checkpoint when there is one; theta is the student's weights."""
     G = student_groups(cfg, world_size)
     mesh = init_device_mesh(device.type, (G, world_size // G), mesh_dim_names=("group", "fsdp"))
     teacher_mesh = init_device_mesh(device.type, (world_size,))
@@ -442,37 +530,47 @@ def setup(cfg: Config) -> Run | None:
                                total_steps=1, kl_coef=cfg.kl_coef,
                                activation_checkpointing=cfg.activation_checkpointing)
     if ckpt:
-        common.load_state(teacher, os.path.join(ckpt, "teacher"))
-        common.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta
+        rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
+        rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta
     n_params = sum(p.numel() for p in teacher.model.parameters())
-    size = lambda n_bytes: common.readable(n_bytes, common.BYTES)  # noqa: E731
-    common.print0(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model "
-                  f"{cfg.model} ({common.readable(n_params)} parameters); out {cfg.out}; "
-                  f"{'resuming at' if ckpt else 'starting at'} step {state['step']} of "
-                  f"{cfg.outer_steps}\nwritten per step: checkpoint {size(12 * n_params)} "
-                  f"(teacher fp32 weights + AdamW; the student's {size(4 * n_params)} of "
-                  f"weights only after a promotion), HF folders "
-                  f"{size(n_params * teacher.save_dtype.itemsize)} each every {cfg.save_every} "
-                  "steps")
-    if common.rank0() and (free := shutil.disk_usage(cfg.out).free) < 32 * n_params:
+    announce(cfg, world_size, G, n_params, teacher.save_dtype.itemsize, bool(ckpt), state["step"])
+    return Run(mesh, tok, llm, teacher, student, rloo.snapshot(student), hard, state, n_params, wb)
+
+
+def announce(cfg: Config, world_size: int, G: int, n_params: int, save_bytes: int,
+             resuming: bool, step: int) -> None:
+    """(rank 0) the layout and what a step writes; a warning if the disk cannot hold two
+    checkpoints"""
+    def size(n_bytes):
+        return launch.readable(n_bytes, launch.BYTES)
+    rloo.print0(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model "
+                f"{cfg.model} ({launch.readable(n_params)} parameters); out {cfg.out}; "
+                f"{'resuming at' if resuming else 'starting at'} step {step} of "
+                f"{cfg.outer_steps}\nwritten per step: checkpoint {size(12 * n_params)} "
+                f"(teacher fp32 weights + AdamW; the student's {size(4 * n_params)} of "
+                f"weights only after a promotion), HF folders "
+                f"{size(n_params * save_bytes)} each every {cfg.save_every} steps")
+    free = shutil.disk_usage(cfg.out).free
+    if rloo.rank0() and free < 32 * n_params:
         print(f"soar.py: warning: {size(free)} free in {cfg.out}, less than two checkpoints "
               f"({size(32 * n_params)}): a save may fail", file=sys.stderr)
-    return Run(mesh, tok, llm, teacher, student, rloo.snapshot(student), hard, state, n_params, wb)
 
 
 def track(cfg: Config, state: dict, wb: dict) -> None:
     """(rank 0, --wandb) wb = {"run": the run's W&B run, "next": the first step it does not hold}.
     Its id is kept in the checkpoint state (and in out/wandb.json until the first checkpoint): a
     resumed run continues the same W&B run. It first logs the committed rows W&B does not hold
-    (common.tracked_steps), so each step is logged once, whatever a kill lost."""
+    (launch.tracked_steps), so each step is logged once, whatever a kill lost."""
     path = os.path.join(cfg.out, "wandb.json")
     if "wandb" not in state:
-        state["wandb"] = data.read_json(path)["id"] if os.path.exists(path) else \
-            secrets.token_hex(4)
+        if os.path.exists(path):
+            state["wandb"] = data.read_json(path)["id"]
+        else:
+            state["wandb"] = secrets.token_hex(4)
         data.write_json(path, {"id": state["wandb"]})
-    run = common.tracker(cfg.wandb, cfg.wandb_name, cfg.out, dataclasses.asdict(cfg),
+    run = launch.tracker(cfg.wandb, cfg.wandb_name, cfg.out, dataclasses.asdict(cfg),
                          state["wandb"])
-    wb.update(run=run, next=common.tracked_steps(run, cfg.out))
+    wb.update(run=run, next=launch.tracked_steps(run, cfg.out))
     log_rows(wb, data.read_jsonl(os.path.join(cfg.out, "metrics.jsonl")))
 
 
@@ -484,29 +582,30 @@ def log_rows(wb: dict, rows: list[dict]) -> None:
             wb["next"] = r["step"] + 1
 
 
-def counts(cfg: Config, run: Run) -> dict:
+def throughput(cfg: Config, run: Run, meter: rloo.Meter, faults_before: dict) -> dict:
     """The step's counts over all ranks: grading faults, skipped updates, tokens generated and
     trained per phase; tokens/s per GPU per phase and, on a GPU of known peak, training phases' MFU:
     6N FLOP/trained token, 8N with the KL reference's forward (excl. attention, recomputation)."""
-    row, W, peak = ({"skipped_updates": 0, **common.gather_counts()}, dist.get_world_size(),
-                    common.peak_flops())
+    row = launch.step_counts(meter, faults_before)
+    W = dist.get_world_size()
+    peak = launch.peak_flops()
     for phase in sorted({k.split("/")[2] for k in row if k.startswith("tokens/")}):
-        n, secs = sum(v for k, v in row.items()
-                      if k.startswith("tokens/") and k.endswith("/" + phase)), common.TIMES[phase]
-        row[f"perf/tokens_per_s_per_gpu/{phase}"] = round(n / max(secs, 1e-9) / W, 1)
+        n = sum(v for k, v in row.items() if k.startswith("tokens/") and k.endswith("/" + phase))
+        secs = max(meter.seconds[phase], 1e-9)
+        row[f"perf/tokens_per_s_per_gpu/{phase}"] = round(n / secs / W, 1)
         if peak and f"tokens/trained/{phase}" in row:
             flops = (6 + 2 * (cfg.kl_coef > 0)) * run.n_params * row[f"tokens/trained/{phase}"]
-            row[f"perf/mfu/{phase}"] = round(flops / max(secs, 1e-9) / (W * peak), 4)
+            row[f"perf/mfu/{phase}"] = round(flops / secs / (W * peak), 4)
     return row
 
 
-def commit_step(cfg: Config, run: Run, state: dict, theta, rows: dict, promoted: bool) -> None:
+def commit_step(cfg: Config, run: Run, state: dict, rows: dict, promoted: bool) -> None:
     """Nothing in --out gets ahead of the checkpoint: first the checkpoint, which commits the step
     with its rows (the OUTPUTS files are then rewritten from it); then W&B's copy of the metrics
     row (--wandb); then, every save_every steps and at the end, the HF folders teacher/ and
     student/."""
-    rloo.restore(run.student, theta)   # checkpoint and outputs hold theta, not the last student
-    common.save_checkpoint(cfg.out, state["step"],
+    rloo.restore(run.student, run.theta)   # checkpoint and outputs hold theta, not the last student
+    launch.save_checkpoint(cfg.out, state["step"],
                            {"teacher": (run.teacher, True), "student": (run.student, False)},
                            {**state, "config": dataclasses.asdict(cfg)},
                            unchanged=() if promoted else ("student",), rows=rows)
@@ -522,12 +621,10 @@ def save_hf(cfg: Config, run: Run, state: dict) -> None:
     tag = {"step": state["step"], "promotions": state["promotions"]}
     rloo.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok, state["step"],
                  {"soar.json": tag})
-    if common.on_rank0(common.hf_behind, cfg.out, state, ("student",)):
+    if rloo.on_rank0(launch.hf_behind, cfg.out, state, ("student",)):
         rloo.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok, state["step"],
                      {"soar.json": tag})
 
 
 if __name__ == "__main__":
-    cfg = parse_args()
-    with common.clean_exit("soar.py"):
-        main(cfg)
+    launch.main("soar.py", lambda: main(parse_args()))

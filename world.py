@@ -26,6 +26,7 @@ with a fixed data order and seed, samples with fixed seeds, and prints a fingerp
 set. Candidates are drawn in batches until each half holds `need` problems (the defaults' Q_R).
 """
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -262,8 +263,8 @@ def train_model(model_dir: str, r: dict, seed: int) -> None:
     in model_dir. Data parallel over r["procs"] processes (gloo) of one thread each: the result
     depends on the recipe and the seed only, not on the machine's cores."""
     import torch.multiprocessing as mp
-    import common
-    port = common.free_port()
+    import rloo   # here, not at the top: see the import of data
+    port = rloo.free_port()
     mp.spawn(_train_rank, args=(r["procs"], port, model_dir, r, seed), nprocs=r["procs"])
 
 
@@ -359,7 +360,8 @@ def _correct_counts(llm, problems, *, n, seed):
     """How many of n samples (student prompt, T = 1) are right, per problem: the project's own
     sampling and grading"""
     import rloo  # here, not at the top: see the import of data
-    return rloo.correct_counts(llm, problems, n=n, max_tokens=MAX_TOKENS, seed=seed)
+    return rloo.count_correct(llm, problems, prompt=data.student_prompt, correct=data.solved, n=n,
+                              max_tokens=MAX_TOKENS, seed=seed)
 
 
 def teacher_profile(texts: list[str]) -> dict:
@@ -392,9 +394,8 @@ def measure(model_dir: str, r: dict, seed: int, log=print) -> tuple[dict, list[d
     counts)."""
     import torch
     torch.set_num_threads(1)  # before the engine: vLLM's CPU worker forbids changing it afterwards
-    import common
     import rloo
-    common.init_distributed()  # a 1-rank group: build_engine's external_launcher wants one
+    rloo.init_distributed()  # a 1-rank group: build_engine's external_launcher wants one
     llm = rloo.build_engine(model_dir, max_model_len=MAX_MODEL_LEN, seed=seed)
     t0 = time.time()
     teacher = rloo.generate(llm, [data.teacher_prompt(llm.get_tokenizer())], n=r["teacher_samples"],
@@ -565,11 +566,10 @@ def resolve(cfg):
     of a torch.distributed job builds the world, cached, while the others wait); else cfg as is."""
     if cfg.model:
         return cfg
-    import dataclasses
-    import common
-    common.init_distributed()
+    import rloo
+    rloo.init_distributed()
     paths = build_world_all_ranks(small=cfg.world == "small")
-    if common.rank0():
+    if rloo.rank0():
         st = data.read_json(paths["stats"])
         print(f"built-in world ({cfg.world}): fingerprint {st['fingerprint']}, "
               f"{st['train']} train / {st['test']} test hard problems", flush=True)

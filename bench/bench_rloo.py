@@ -13,7 +13,7 @@ model-FLOP utilisation. A random model of the chosen shape is written first (no 
 MFU counts 6*N*tokens for the policy forward+backward and 2*N*tokens for the reference
 forward (N = all parameters, lm_head counted once when tied; attention FLOPs and activation
 recomputation not counted), over a bf16 matmul measured in the same run (GPU) and over the
-GPU's spec-sheet peak (common.PEAK_TFLOPS).
+GPU's spec-sheet peak (launch.PEAK_TFLOPS).
 """
 import argparse
 import os
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-import common  # noqa: E402
+import launch  # noqa: E402
 import rloo  # noqa: E402
 
 SHAPES = {  # LlamaConfig fields; head_dim 64 everywhere (the CPU attention kernels want >= 32)
@@ -91,14 +91,18 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=SHAPES, default="tiny")
     ap.add_argument("--rollouts", type=int)
-    ap.add_argument("--prompt-len", type=int)
-    ap.add_argument("--gen-len", type=int)
+    # the scripts' spelling (--micro_batch_tokens), and the dashed one
+    ap.add_argument("--prompt_len", "--prompt-len", type=int)
+    ap.add_argument("--gen_len", "--gen-len", type=int)
     ap.add_argument("--samples", type=int, default=32, help="samples per prompt (n)")
-    ap.add_argument("--micro-batch-tokens", type=int)
-    ap.add_argument("--no-activation-checkpointing", action="store_true")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    ap.add_argument("--train-only", action="store_true", help="no vLLM: the train step alone "
-                    "(the engine's share of GPU memory is held back all the same)")
+    ap.add_argument("--micro_batch_tokens", "--micro-batch-tokens", type=int)
+    ap.add_argument("--no_activation_checkpointing", "--no-activation-checkpointing",
+                    action="store_true")
+    ap.add_argument("--gpu_memory_utilization", "--gpu-memory-utilization", type=float,
+                    default=0.3)
+    ap.add_argument("--train_only", "--train-only", action="store_true",
+                    help="no vLLM: the train step alone (the engine's share of GPU memory is held "
+                    "back all the same)")
     ap.add_argument("--workdir", default="/tmp/bench_rloo")
     return ap
 
@@ -109,7 +113,7 @@ def main():
     rollouts, plen, glen = args.rollouts or rollouts, args.prompt_len or plen, args.gen_len or glen
     mbt, ac = args.micro_batch_tokens or mbt, ac and not args.no_activation_checkpointing
 
-    rank, world, dev = common.init_distributed()
+    rank, world, dev = rloo.init_distributed()
     peak_measured = matmul_tflops(dev)
     path = os.path.join(args.workdir, args.shape)
     n_params = make_model(path, args.shape, dev) if rank == 0 else 0   # printed by rank 0
@@ -142,7 +146,7 @@ def main():
     comps = [torch.randint(2, vocab, (glen,), generator=g).tolist() for _ in range(rollouts)]
     prm = [prompts[i // args.samples % n_prompts] for i in range(rollouts)]   # by question
     adv = torch.randn(rollouts, generator=g).tolist()
-    lo, hi = common.chunk(rollouts, rank, world)
+    lo, hi = rloo.chunk(rollouts, rank, world)
     step = lambda: rloo.train_step(pol, prm[lo:hi], comps[lo:hi], adv[lo:hi],  # noqa: E731
                                    loss=rloo.rloo_loss, temperature=1.0, micro_batch_tokens=mbt)
     timed(step, dev)   # warm-up (allocator, optimizer state)
@@ -157,11 +161,11 @@ def main():
         seq_tokens = rollouts * (plen + glen)
         # the tokens through the model: each micro-batch runs its distinct prompts once
         run = sum(len(mb) * glen + len({tuple(prm[lo + i]) for i in mb}) * plen
-                  for r in range(world) for lo, hi in [common.chunk(rollouts, r, world)]
+                  for r in range(world) for lo, hi in [rloo.chunk(rollouts, r, world)]
                   for mb in rloo._micro_batches([plen + glen] * (hi - lo), mbt))
         flops = 8 * n_params * run              # 6N train + 2N reference
         achieved = flops / t_train / world / 1e12
-        spec = common.peak_flops()
+        spec = launch.peak_flops()
         print(f"shape {args.shape}: {n_params / 1e6:.1f} M params, {world} rank(s) on "
               f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, "
               f"activation checkpointing {ac}, micro-batch {mbt} tokens")

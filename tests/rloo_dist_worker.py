@@ -115,7 +115,6 @@ def engine_prompt_logprobs(llm, seqs):
 def main(out, base, ref):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    import common
     import rloo
     t0 = [time.time()]
     res = dict(times={})
@@ -124,7 +123,7 @@ def main(out, base, ref):
         res["times"][name] = round(time.time() - t0[0], 2)
         t0[0] = time.time()
 
-    rank, world, dev = common.init_distributed()
+    rank, world, dev = rloo.init_distributed()
     rloo.LOGIT_CHUNK_TOKENS = 16   # several vocab-head chunks per micro-batch (token_logprobs)
     # processed: the sampled tokens' logprobs at the sampling temperature (the training check)
     llm = rloo.build_engine(base, max_model_len=1024, logprobs_mode="processed_logprobs")
@@ -165,7 +164,7 @@ def main(out, base, ref):
                                     kl_coef=kl_coef), ref, mesh)
     prompts, comps, rewards = fixed_batch()
     adv = rloo.rloo_advantages(rewards).flatten().tolist()
-    lo, hi = common.chunk(len(prompts), rank, world)
+    lo, hi = rloo.chunk(len(prompts), rank, world)
     snap0 = rloo.snapshot(pol)
     # a small token budget forces several micro-batches, unevenly many per rank (dummies)
     res["step"] = train_step(pol, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
@@ -219,14 +218,14 @@ def main(out, base, ref):
     tick("snapshot")
     # --- save_state / load_state: resuming reproduces the next step bit for bit
     ckpt = os.path.join(out, "ckpt")
-    common.save_state(pol, ckpt)
-    common.save_state(pol, ckpt)           # a second save over the first
+    rloo.save_state(pol, ckpt)
+    rloo.save_state(pol, ckpt)           # a second save over the first
     m2 = train_step(pol, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
     w2 = full_weights(pol.model)
     # as after a restart: a freshly loaded policy (empty optimizer state) picks up the checkpoint
     pol_b = with_ref(rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10,
                                       kl_coef=kl_coef), ref, mesh)
-    common.load_state(pol_b, ckpt)
+    rloo.load_state(pol_b, ckpt)
     res["load_ok"] = all(torch.equal(v, w1[k]) for k, v in full_weights(pol_b.model).items())
     m2b = train_step(pol_b, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
     res["resume_ok"] = m2 == m2b and all(torch.equal(v, w2[k])
@@ -257,7 +256,7 @@ def main(out, base, ref):
         a = rloo.rloo_advantages(r).flatten().tolist()
         pr = [s.prompt_token_ids for o in out_k for s in o]
         cp = [s.token_ids for o in out_k for s in o]
-        lo2, hi2 = common.chunk(len(cp), rank, world)
+        lo2, hi2 = rloo.chunk(len(cp), rank, world)
         train_step(pol, pr[lo2:hi2], cp[lo2:hi2], a[lo2:hi2])
     res["unchanged"] = [k for k, v in rloo.snapshot(pol).items() if torch.equal(v, snap_l[k])]
 
@@ -288,9 +287,9 @@ def main(out, base, ref):
     rloo.restore(st, snap)
     res["student_after"] = rloo.snapshot(st)
     # a checkpoint of a policy on a sub-mesh (the groups hold the same theta now, as in SOAR)
-    common.save_state(st, os.path.join(out, "ckpt2d"))
+    rloo.save_state(st, os.path.join(out, "ckpt2d"))
     train_step(st, prompts[rows], comps[rows], adv[rows])
-    common.load_state(st, os.path.join(out, "ckpt2d"))
+    rloo.load_state(st, os.path.join(out, "ckpt2d"))
     res["student_reloaded"] = rloo.snapshot(st)
 
     tick("broadcast")

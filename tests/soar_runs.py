@@ -87,10 +87,10 @@ def wait_for(path, p, timeout=600, delay=0.0):
 
 def wandb_records(folder) -> list[tuple[str, object]]:
     """(offline run folder, record) of every record W&B's offline runs wrote under folder/wandb"""
-    import common
+    import launch
     return [(os.path.basename(os.path.dirname(p)), r)
             for p in sorted(glob.glob(os.path.join(folder, "wandb", "offline-run-*", "*.wandb")))
-            for r in common.wandb_records(p)]
+            for r in launch.wandb_records(p)]
 
 
 def wandb_history(folder) -> list[dict]:

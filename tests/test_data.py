@@ -248,9 +248,10 @@ def test_write_jsonl_roundtrip_and_split(tmp_path):
 
 def test_no_network_is_one_clear_error(tmp_path):
     """a hub pool, and a --model hub id, on a machine that cannot reach the hub"""
-    code = ("import data, rloo\nfor f, x in ((data.load_problems, 'math'), "
-            "(rloo.tokenizer, 'meta-llama/Llama-3.2-3B-Instruct')):\n"
-            "    try:\n        f(x)\n    except RuntimeError as e:\n        print(e)")
+    code = ("import data, launch\nfor f, x in ((data.load_problems, 'math'), "
+            "(launch.tokenizer, 'meta-llama/Llama-3.2-3B-Instruct')):\n"
+            "    try:\n        f(x)\n    except (RuntimeError, launch.UsageError) as e:\n"
+            "        print(e)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)},

@@ -54,7 +54,7 @@ def test_mean_passk_over_problems():
 
 
 
-def test_correct_counts_on_scripted_samples(monkeypatch):
+def test_count_correct_on_scripted_samples(monkeypatch):
     """the counting and filtering around the engine, with rloo.generate scripted: per problem, the
     samples are its script's texts in turn (what the chunking and the dedup grading must not
     change)"""
@@ -67,15 +67,18 @@ def test_correct_counts_on_scripted_samples(monkeypatch):
               "q3": ["\\boxed{10}", "x", "x", "x"]}                                 # 1
     calls = []
 
-    def fake_generate(llm, prompts, *, n, temperature, max_tokens, seed, group=None):
+    def fake_generate(llm, prompts, *, n, temperature, max_tokens, seed, group=None, meter=None):
         calls.append((len(prompts), seed))
         qs = [p.rsplit("User: ", 1)[1].rsplit(" Assistant:", 1)[0] for p in prompts]
         return [[Sample(script[q][i], [], []) for i in range(n)] for q in qs]
 
     monkeypatch.setattr(rloo, "generate", fake_generate)
-    assert rloo.correct_counts(None, problems, n=4, max_tokens=8, seed=100) == [2, 4, 0, 1]
-    assert rloo.correct_counts(None, problems, n=4, max_tokens=8, seed=100, chunk_prompts=3) == \
-        [2, 4, 0, 1]
+    def counts(**chunking):
+        return rloo.count_correct(None, problems, prompt=data.student_prompt, correct=data.solved,
+                                  n=4, max_tokens=8, seed=100, **chunking)
+
+    assert counts() == [2, 4, 0, 1]
+    assert counts(chunk_prompts=3) == [2, 4, 0, 1]
     assert calls[-2:] == [(3, 100), (1, 103)]              # request i keeps seed + i across chunks
 
 # ---- the early-stopping rule ----

@@ -16,7 +16,7 @@ from soar_runs import (FLAGS, ROOT, alive, descendants, kill_all, rows, soar,  #
                        wait_for, wandb_history, wandb_records, without_timing)
 
 
-OURS = re.compile(r'File ".*/(soar|rloo|data|world|eval)\.py"')   # a traceback line of ours
+OURS = re.compile(r'File ".*/(soar|rloo|data|world|eval|launch)\.py"')   # a traceback line of ours
 
 
 def same_as_reference(out, full_run):
@@ -168,7 +168,7 @@ def test_rows_cut_short_or_garbled_come_back_from_the_checkpoint(full_run, tmp_p
             in p.stderr
     same_as_reference(out, full_run)
     # killed while writing the HF folders at the end: teacher/ still holds step 2; the rerun
-    # rewrites it (eval.py would refuse it meanwhile: common.hf_behind)
+    # rewrites it (eval.py would refuse it meanwhile: launch.hf_behind)
     tag = json.loads((out / "teacher" / "soar.json").read_text())
     (out / "teacher" / "soar.json").write_text(json.dumps({**tag, "step": 2}))
     p = soar(out)
@@ -221,10 +221,10 @@ def test_one_run_per_folder_and_ranks_die_with_their_launcher(faulted):
 
 @pytest.mark.parametrize("flock", [True, False])
 def test_lock_folder_refuses_a_second_holder_and_frees_with_the_first(flock, tmp_path):
-    """the lock eval.py takes on each run folder (common.lock_folder), outside any SOAR run; without
+    """the lock eval.py takes on each run folder (launch.lock_folder), outside any SOAR run; without
     flock (some NFS, FUSE mounts) a .lock.pid file, taken over once its holder is dead"""
-    take = ("import sys, time, common; common.init_distributed(); common.lock_folder(sys.argv[1]); "
-            "print('locked', flush=True); time.sleep(600)")
+    take = ("import sys, time, launch, rloo; rloo.init_distributed(); "
+            "launch.lock_folder(sys.argv[1]); print('locked', flush=True); time.sleep(600)")
     if not flock:
         take = ("import errno, fcntl\ndef no(*a): raise OSError(errno.ENOLCK, 'No locks')\n"
                 "fcntl.flock = no\n" + take)
@@ -243,3 +243,45 @@ def test_lock_folder_refuses_a_second_holder_and_frees_with_the_first(flock, tmp
     assert third.stdout.readline().strip() == "locked"
     third.kill()
     third.wait()
+
+
+FAILS_ON_RANK_1 = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import launch, rloo
+
+def work():
+    rloo.init_distributed()
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("CUDA out of memory (raised on purpose by the test)")
+    rloo.all_gather(0)   # rank 0 waits on rank 1, as in any collective
+
+launch.main("fails.py", work)
+"""
+
+
+def test_an_error_on_one_rank_prints_its_traceback_there(tmp_path):
+    """an error raised on rank 1 alone: rank 1 prints its full traceback, each line marked with its
+    rank, and the run exits non-zero (an OOM on rank 17 must not look like a network fault on 0)"""
+    script = tmp_path / "fails.py"
+    script.write_text(FAILS_ON_RANK_1)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "2", str(script), ROOT], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "[rank 1] Traceback (most recent call last):" in p.stderr, p.stderr[-3000:]
+    assert '[rank 1]   File "' + str(script) + '", line 9, in work' in p.stderr, p.stderr[-3000:]
+    assert "[rank 1] RuntimeError: CUDA out of memory (raised on purpose" in p.stderr
+
+
+def test_a_usage_error_through_run_sh_ends_with_its_line(tmp_path):
+    """./run.sh with a setting that cannot work: soar.py's line is the last thing on stderr, no
+    traceback of torchrun's after it, exit code 2"""
+    p = subprocess.run(["bash", os.path.join(ROOT, "run.sh"), *FLAGS, "--outer_steps", "0",
+                        "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = p.stderr.strip().splitlines()
+    assert lines[-2:] == ["soar.py: error: these settings cannot work:",
+                          "  --outer_steps 0: need at least 1"], p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "ChildFailedError" not in p.stderr

@@ -1,5 +1,5 @@
-"""The shape of the code: the libraries (rloo.py, common.py, data.py), the built-in world on top
-of them, two scripts that import only those; docs that stand on their own."""
+"""The shape of the code: two libraries that stand alone (rloo.py, data.py), launch.py and the
+built-in world on top of them, two scripts that import only those; docs that stand on their own."""
 import ast
 import glob
 import json
@@ -11,11 +11,15 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OURS = {"data", "common", "rloo", "world", "soar", "eval"}
+OURS = {"data", "launch", "rloo", "world", "soar", "eval"}
 # what each module may pull in, directly or through another one
-ALLOWED = {"data": {"data"}, "common": {"common", "data"}, "rloo": {"rloo", "common", "data"},
-           "world": {"world", "data"}, "soar": {"soar", "rloo", "common", "data", "world"},
-           "eval": {"eval", "rloo", "common", "data", "world"}}
+ALLOWED = {"data": {"data"}, "rloo": {"rloo"}, "launch": {"launch", "rloo", "data"},
+           "world": {"world", "data"}, "soar": {"soar", "rloo", "launch", "data", "world"},
+           "eval": {"eval", "rloo", "launch", "data", "world"}}
+# what the stand-alone libraries may import at all (their own file aside)
+STANDALONE = {"rloo": {"torch", "transformers", "vllm", "numpy"},
+              "data": {"numpy", "math_verify", "pyarrow", "huggingface_hub", "torch",
+                       "transformers"}}
 
 
 @pytest.mark.parametrize("module", sorted(OURS))
@@ -26,6 +30,22 @@ def test_imports_in_a_fresh_interpreter(module):
                        timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert set(json.loads(p.stdout)) <= ALLOWED[module]
+
+
+@pytest.mark.parametrize("module", sorted(STANDALONE))
+def test_the_libraries_import_nothing_of_ours(module):
+    """rloo.py and data.py import only the standard library and their third-party packages (data.py
+    imports torch and transformers only inside embed_hf, pyarrow and the hub client only to read
+    their formats), at the top or inside a function"""
+    tree = ast.parse(open(os.path.join(ROOT, module + ".py")).read())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names)
+    assert third_party <= STANDALONE[module], third_party - STANDALONE[module]
 
 
 def test_nothing_imports_a_script():
@@ -65,6 +85,6 @@ def test_top_level_holds_the_design_card():
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True,
                              text=True).stdout.split()
     top = {f.split("/")[0] for f in tracked if not f.startswith(".")}
-    assert top == {"soar.py", "rloo.py", "common.py", "data.py", "eval.py", "world.py", "README.md",
+    assert top == {"soar.py", "rloo.py", "launch.py", "data.py", "eval.py", "world.py", "README.md",
                    "METHOD.md", "requirements.txt", "run.sh", "soar.sbatch", "tests", "bench",
                    "docs", "pyproject.toml"}   # (soar.sbatch: run.sh's counterpart on SLURM)

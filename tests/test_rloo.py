@@ -13,7 +13,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
-import common  # noqa: E402
+import launch  # noqa: E402
 import rloo  # noqa: E402
 from rloo_dist_worker import PROMPTS, fixed_batch, make_tiny_model  # noqa: E402
 
@@ -63,8 +63,8 @@ def test_rloo_advantages_by_hand():
 
 
 def test_readable_units():
-    assert [common.readable(n) for n in (6.1e5, 1.2e8, 3.2125e9)] == ["0.61 M", "120 M", "3.21 B"]
-    assert common.readable(7.3e6, ((1e9, "GB"), (1e6, "MB"))) == "7.3 MB"
+    assert [launch.readable(n) for n in (6.1e5, 1.2e8, 3.2125e9)] == ["0.61 M", "120 M", "3.21 B"]
+    assert launch.readable(7.3e6, ((1e9, "GB"), (1e6, "MB"))) == "7.3 MB"
 
 
 def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
@@ -72,7 +72,7 @@ def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
         (tmp_path / "step-5").mkdir()
         (tmp_path / "step-5" / "f").write_text(str(n))
         suffix = ".damaged" + ("" if n == 1 else f"-{n}")
-        assert common.set_aside(str(tmp_path / "step-5")) == str(tmp_path / f"step-5{suffix}")
+        assert launch.set_aside(str(tmp_path / "step-5")) == str(tmp_path / f"step-5{suffix}")
         assert (tmp_path / f"step-5{suffix}" / "f").read_text() == str(n)
     assert not (tmp_path / "step-5").exists()
 
@@ -80,8 +80,8 @@ def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
 def test_micro_batches_and_chunks():
     assert rloo._micro_batches([5, 9, 2, 9], 20) == [[1, 3], [0, 2]]
     assert rloo._micro_batches([30], 8) == [[0]]            # an over-long row still runs alone
-    assert [common.chunk(7, r, 2) for r in range(2)] == [(0, 4), (4, 7)]
-    assert [common.chunk(1, r, 3) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
+    assert [rloo.chunk(7, r, 2) for r in range(2)] == [(0, 4), (4, 7)]
+    assert [rloo.chunk(1, r, 3) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
 
 
 def test_loss_and_update_match_hand_computation(runs):
@@ -173,3 +173,70 @@ def test_learning(runs):
         assert rewards[-1] > rewards[0] + 0.2, rewards
         assert r["unchanged"] == []   # every trained parameter moved
     assert runs["two"][0]["rewards"] == runs["two"][1]["rewards"]
+
+
+STANDALONE = r"""
+import sys
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers
+import rloo
+
+assert rloo.__file__.startswith(sys.argv[1]), rloo.__file__   # the copy, not the repository's
+path = sys.argv[1] + "/model"
+vocab = {f"w{i}": i for i in range(64)}
+tok = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
+tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w0", eos_token="w1",
+                        unk_token="w2").save_pretrained(path)
+torch.manual_seed(0)
+LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                             tie_word_embeddings=True, bos_token_id=0,
+                             eos_token_id=1)).save_pretrained(path)
+rank, world, dev = rloo.init_distributed()
+llm = rloo.build_engine(path, max_model_len=64)
+policy = rloo.load_policy(path, init_device_mesh("cpu", (world,)), lr=1e-3, warmup_steps=0,
+                          total_steps=10)
+before = rloo.snapshot(policy)
+batch = [("w5 w6", "w7"), ("w8 w9", "w10")]
+meter = rloo.Meter()
+
+
+def reward(completions, answers):   # a reward of the caller's: how often the answer's word appears,
+    return [c.split().count(a) + 0.1 * len(c) for c, a in zip(completions, answers)]   # and length
+
+
+stats = rloo.rl_step(policy, llm, batch, prompt=lambda q: q, reward=reward, samples=4,
+                     temperature=1.0, max_tokens=6, seed=0, group=None, micro_batch_tokens=256,
+                     advantages=rloo.rloo_advantages, loss=rloo.rloo_loss, meter=meter)
+moved = any(not torch.equal(v, before[k]) for k, v in rloo.snapshot(policy).items())
+print("STATS", stats["tokens"] > 0, len(stats["rewards"]) == 8, moved,
+      meter.gathered()["tokens/generated/student_rollouts"] > 0)
+rloo.shutdown()
+"""
+
+
+def test_rloo_stands_alone(tmp_path):
+    """rloo.py copied alone into an empty folder: it imports there and runs a generation and an RL
+    step on a tiny model, with a prompt and a reward of the caller's"""
+    import shutil
+    shutil.copy(os.path.join(ROOT, "rloo.py"), tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "-c", STANDALONE, str(tmp_path)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "STATS True True True True" in p.stdout, p.stdout[-3000:]
+
+
+def test_data_stands_alone(tmp_path):
+    """data.py copied alone: it grades with math-verify in its worker pool there"""
+    import shutil
+    shutil.copy(os.path.join(ROOT, "data.py"), tmp_path)
+    code = ("import data; print('GRADES', data.grade(['so \\\\boxed{1/2}', 'x'], ['0.5', '2']))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "GRADES [120.0, 0.0]" in p.stdout, p.stdout

@@ -112,7 +112,7 @@ def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_
     import world
     rng = random.Random(0)
     sums = [world.make_problem(rng, "add", 1)["question"] for _ in range(40)]
-    code = ("import json, sys, common, data, rloo; common.init_distributed(); "
+    code = ("import json, sys, data, rloo; rloo.init_distributed(); "
             "llm = rloo.build_engine(sys.argv[1], max_model_len=320); "
             "qs = json.loads(sys.argv[2]); outs = rloo.generate("
             "llm, [data.student_prompt(q) for q in qs], temperature=0.0, max_tokens=96, seed=0); "

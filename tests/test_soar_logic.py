@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-import common
+import launch
 import data
 import soar
 import world
@@ -111,9 +111,9 @@ def test_learnability_reward():
 
 
 def test_seeds_are_stable_and_distinct():
-    assert common.seed_of(3, 5, "teacher", 0) == common.seed_of(3, 5, "teacher", 0) != \
-        common.seed_of(4, 5, "teacher", 0)
-    assert len({common.seed_of(3, s, "student", k) for s in range(20) for k in range(4)}) == 80
+    assert launch.seed_of(3, 5, "teacher", 0) == launch.seed_of(3, 5, "teacher", 0) != \
+        launch.seed_of(4, 5, "teacher", 0)
+    assert len({launch.seed_of(3, s, "student", k) for s in range(20) for k in range(4)}) == 80
 
 
 def test_restore_rows_puts_back_what_the_checkpoint_committed(tmp_path, capsys):
@@ -125,13 +125,13 @@ def test_restore_rows_puts_back_what_the_checkpoint_committed(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text(committed + '{"step": 2}\n{"st')   # uncommitted, cut
     (tmp_path / "pq.jsonl").write_text("\x00 garbage\n")
     names = ["metrics.jsonl", "pq.jsonl", "questions.jsonl"]
-    common.restore_rows(str(tmp_path), str(ckpt), names)
+    launch.restore_rows(str(tmp_path), str(ckpt), names)
     assert [(tmp_path / n).read_text() for n in names] == [committed, "", ""]
     err = capsys.readouterr().err
     assert f"{tmp_path / 'metrics.jsonl'} differed from what {ckpt} committed (3 lines, 2 " \
         "committed)" in err
     assert "pq.jsonl differed" in err and "questions.jsonl" not in err   # it was only missing
-    common.restore_rows(str(tmp_path), None, names)   # no checkpoint: a fresh start, empty files
+    launch.restore_rows(str(tmp_path), None, names)   # no checkpoint: a fresh start, empty files
     assert [(tmp_path / n).read_text() for n in names] == ["", "", ""]
 
 
@@ -142,13 +142,13 @@ def test_hf_folders_behind_their_checkpoint(tmp_path):
         str(tmp_path / name / "soar.json"), {"step": step, "promotions": promotions})
     tag("teacher", 3, 1)
     tag("student", 1, 1)   # written at the promotion of step 1, unchanged since: current
-    assert common.hf_behind(str(tmp_path)) == []
+    assert launch.hf_behind(str(tmp_path)) == []
     tag("teacher", 2, 1)
     tag("student", 1, 0)
-    assert common.hf_behind(str(tmp_path)) == [
+    assert launch.hf_behind(str(tmp_path)) == [
         f"{tmp_path / 'teacher'} (step 2, the checkpoint's 3)",
         f"{tmp_path / 'student'} (step 1, the checkpoint's 3)"]
-    assert common.hf_behind(str(tmp_path), {"step": 2, "promotions": 0}, ["student"]) == []
+    assert launch.hf_behind(str(tmp_path), {"step": 2, "promotions": 0}, ["student"]) == []
 
 
 def test_parse_args_world_preset_and_overrides():
@@ -208,4 +208,4 @@ def test_wandb_that_cannot_start_is_one_line(monkeypatch, tmp_path):
         monkeypatch.setenv(k, str(v))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     with pytest.raises(RuntimeError, match=r"^--wandb p: W&B did not start \(No API key.*offline$"):
-        common.tracker("p", "", str(tmp_path), {})
+        launch.tracker("p", "", str(tmp_path), {})

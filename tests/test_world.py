@@ -99,9 +99,8 @@ def test_small_world_model_folder(small_world):
     text = tok.decode(prompt)
     assert tok(text)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"] == prompt
     # the engines' context holds a teacher prompt + reply and a student prompt + completion
-    import rloo
     q = world.make_problem(random.Random(0), "word", "----")["question"]
-    n = rloo.engine_len(tok, [q], student_max_tokens=world.MAX_TOKENS,
+    n = data.engine_len(tok, [q], student_max_tokens=world.MAX_TOKENS,
                         teacher_max_tokens=world.MAX_TOKENS)
     assert n >= len(prompt) + world.MAX_TOKENS
     assert n >= len(tok(data.student_prompt(q))["input_ids"]) + world.MAX_TOKENS

@@ -1,15 +1,14 @@
 """
-The run plumbing soar.py and eval.py share beside the RL engine (rloo.py): the process group and
-the decisions made once on rank 0, one run per folder, sharded checkpoints that a resume checks and
-falls back from, the rows files rewritten from them, seeds, timers and counts, flags from a
-dataclass, W&B, and a clean one-line exit.
+What a launched script needs around the method (soar.py, eval.py): its flags, its exit, one run
+per folder, sharded checkpoints that a resume checks and falls back from, the rows files rewritten
+from them, seeds, the step's counts, and W&B. The RL engine itself is rloo.py; the text side is
+data.py.
 """
 import argparse
 import atexit
 import dataclasses
 import fcntl
 import glob
-import inspect
 import json
 import os
 import random
@@ -19,112 +18,123 @@ import socket
 import struct
 import sys
 import time
+import traceback
 import zlib
-from collections import defaultdict
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 import data
+import rloo
 
 # -----------------------------------------------------------------------------
 KEEP_CKPTS = 2              # checkpoints kept: a damaged newest one falls back to the one before
 # dense bf16 peak of one GPU, for the MFU estimate in metrics.jsonl (spec sheets, SXM parts)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
-ENGINES = []                # this process's vLLM engines (rloo.build_engine); clean_exit stops them
+USAGE_EXIT = 2              # a usage error's exit code (argparse's too); run.sh knows it
 # -----------------------------------------------------------------------------
 
 
 # -----------------------------------------------------------------------------
-# processes: the group, decisions made once on rank 0, shares of work
+# errors and the exit
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed() -> tuple[int, int, torch.device]:
-    """rank, world size, device. A plain `python script.py` becomes a 1-rank group, so the
-    same code path (external_launcher engine, FSDP2) runs with and without torchrun."""
-    cuda = torch.cuda.is_available()
-    if "TORCHELASTIC_RUN_ID" in os.environ:   # under torchrun: never outlive the launcher (a killed
-        data.die_with_parent()               # launcher's orphans would go on writing into --out)
-    if not dist.is_initialized():
-        for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
-            os.environ.setdefault(k, v)
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        if cuda:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                device_id=torch.device("cuda", torch.cuda.current_device())
-                                if cuda else None)
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return dist.get_rank(), dist.get_world_size(), dev
+class UsageError(Exception):
+    """What the user can fix, said in one line that names the flag, path or value at fault: a bad
+    setting, a file that is not there, a folder in use, a disk too full for the checkpoint."""
 
 
-def rank0() -> bool:
-    """Does this rank print and write the run's shared files? (before init: torchrun's RANK)"""
-    return dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK", "0") == "0"
+def main(script: str, fn, *args) -> None:
+    """Run fn(*args) as the script's main, then exit. A UsageError prints one line on rank 0 and
+    exits USAGE_EXIT. Any other error prints its full traceback on every rank where it happened,
+    each line behind "[rank N]", and exits 1 (an error rank 0 decided for all, on_rank0's, is
+    printed by rank 0 alone). The engines and the process group are shut down on every path."""
+    code = 0
+    try:
+        fn(*args)
+    except UsageError as e:
+        rloo.print0(f"{script}: error: {e}", file=sys.stderr)
+        code = USAGE_EXIT
+    except Exception as e:
+        if rloo.rank0() or not getattr(e, "from_rank0", False):
+            rank = os.environ.get("RANK", "0")
+            text = "".join(traceback.format_exception(e))
+            print("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()),
+                  end="", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        rloo.shutdown()
+    sys.exit(code)
 
 
-def print0(*args, **kwargs) -> None:
-    if rank0():
-        print(*args, **{"flush": True, **kwargs})
+# -----------------------------------------------------------------------------
+# flags: one dataclass field each, its help and least value in the field's metadata
+
+def flag(default, help: str, least=None):
+    """a Config field: its default (the paper's), its --help line, and the least value it takes"""
+    return dataclasses.field(default=default, metadata={"help": help, "least": least})
 
 
-def on_rank0(fn, *args):
-    """fn(*args) on rank 0 alone, its result (or its error) on every rank: what rests on a timeout
-    or on the filesystem (a problem list, a lock, a checkpoint's listing) is decided once, so ranks
-    never disagree nor wait on a rank that failed alone. Before init_distributed: just fn(*args)."""
-    if not dist.is_initialized():
-        return fn(*args)
-    res = None
-    if rank0():
+def config_parser(cls, preset: dict, **kwargs) -> argparse.ArgumentParser:
+    """A parser with a --flag per field of dataclass `cls`; help: the field's own, its default and,
+    if any, the value in `preset` (the built-in world's, used without --model)."""
+    p = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+    for f in dataclasses.fields(cls):
+        h = f"{f.metadata.get('help', '')} (default {f.default!r}"
+        if f.name in preset:
+            h += f"; built-in world {preset[f.name]!r}"
+        h = (h + ")").replace("%", "%%")
+        if f.type is bool:
+            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=None,
+                           help=h)
+        else:
+            p.add_argument(f"--{f.name}", type=f.type, default=None,
+                           metavar=f.type.__name__.upper(), help=h)
+    return p
+
+
+def config_from(cls, args: dict, preset: dict):
+    """An instance of `cls`: the flags given, else (without --model: the built-in world) the preset,
+    else the field defaults (with --model: the paper's settings). Without --model, rank 0 prints
+    every value the preset put in place of the paper's."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    flags = {k: v for k, v in args.items() if k in names and v is not None}
+    base = {} if flags.get("model") else {k: v for k, v in preset.items() if k in names}
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    replaced = [f"{k} {v!r} (paper {defaults[k]!r})" for k, v in base.items()
+                if k not in flags and v != defaults[k]]
+    if replaced:
+        rloo.print0("built-in world settings: " + ", ".join(replaced), file=sys.stderr)
+    return cls(**{**base, **flags})
+
+
+def too_small(cfg) -> list[str]:
+    """each flag of cfg below its field's least value, as a line naming it"""
+    return [f"--{f.name} {getattr(cfg, f.name)}: need at least {f.metadata['least']}"
+            for f in dataclasses.fields(cfg)
+            if f.metadata.get("least") is not None and getattr(cfg, f.name) < f.metadata["least"]]
+
+
+def tokenizer(model: str):
+    """the tokenizer of --model, or a usage error if it is neither an HF folder nor a hub id that
+    can be reached"""
+    from transformers import AutoTokenizer   # (transformers is imported by rloo already)
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model {model}: neither an HF model folder nor a hub id this machine "
+                         f"can reach ({data.first_line(e)})") from None
+
+
+def problems(path: str) -> list[dict]:
+    """data.load_problems on rank 0 (it drops what times out), the same list on every rank; a file
+    that is missing or malformed is a usage error naming it"""
+    def load():
         try:
-            res = (fn(*args), None)
-        except Exception as e:   # raised on every rank; types clean_exit reports in one line
-            res = (None, e if isinstance(e, (RuntimeError, ValueError, OSError))
-                   else RuntimeError(f"{type(e).__name__}: {e}"))
-    value, err = all_gather(res)[0]
-    if err is not None:
-        raise err
-    return value
-
-
-def chunk(n: int, rank: int, world: int) -> tuple[int, int]:
-    """contiguous [lo, hi) share of n items for rank (the first n % world ranks get one more)"""
-    q, r = divmod(n, world)
-    lo = rank * q + min(rank, r)
-    return lo, lo + q + (rank < r)
-
-
-def my_share(items: list, group=None) -> list:
-    """this rank's contiguous share of items (chunk) within group"""
-    lo, hi = chunk(len(items), dist.get_rank(group), dist.get_world_size(group))
-    return items[lo:hi]
-
-
-def all_gather(obj, group=None) -> list:
-    """every rank's obj (any picklable object), in rank order, on every rank of group"""
-    parts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, obj, group=group)
-    return parts
-
-
-def split_map(fn, items: list, group=None) -> list:
-    """fn over this rank's share of items, results gathered on every rank of group. Used for
-    grading and parsing: one rank decides each item, so ranks never disagree on a timeout."""
-    if not dist.is_initialized():
-        return fn(items)
-    return [x for part in all_gather(fn(my_share(items, group)), group) for x in part]
+            return data.load_problems(path)
+        except (ValueError, OSError, RuntimeError) as e:
+            raise UsageError(str(e)) from None
+    return rloo.on_rank0(load)
 
 
 # -----------------------------------------------------------------------------
@@ -138,7 +148,7 @@ def lock_folder(folder: str) -> None:
     without it, a file .lock.pid made with O_EXCL). A second run on the folder stops at once with an
     error naming the folder and the live process; a dead run's lock never blocks its resume (flock
     goes with its process; a .lock.pid naming a dead pid of this host is taken over). All call."""
-    on_rank0(_lock, folder)
+    rloo.on_rank0(_lock, folder)
 
 
 def _lock(folder: str) -> None:
@@ -149,12 +159,12 @@ def _lock(folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
         f = open(os.path.join(folder, ".lock"), "a+")
     except OSError as e:
-        raise RuntimeError(f"{folder}: cannot write there ({e.strerror})") from None
+        raise UsageError(f"{folder}: cannot write there ({e.strerror})") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
-        raise RuntimeError(busy.format(f.read().strip() or "another process")) from None
+        raise UsageError(busy.format(f.read().strip() or "another process")) from None
     except OSError:   # no flock here (some NFS and FUSE mounts)
         f.close()
         path = os.path.join(folder, ".lock.pid")
@@ -167,7 +177,7 @@ def _lock(folder: str) -> None:
                     holder = g.read().strip()
                 m = re.match(r"pid (\d+) on (\S+)", holder)
                 if not (m and m[2] == socket.gethostname() and not _alive(int(m[1]))):
-                    raise RuntimeError(busy.format(holder) + f" (if none is, remove {path})")
+                    raise UsageError(busy.format(holder) + f" (if none is, remove {path})")
                 os.remove(path)   # its run died
         os.write(fd, (me + "\n").encode())
         os.close(fd)
@@ -189,60 +199,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
+
 # -----------------------------------------------------------------------------
-# checkpoints: out/ckpt/step-N holds all a restart needs: save_state per policy, the run's jsonl
-# rows up to step N (rows/), and state.json, which lists every file's size and CRC-32 (resume
-# checks them); it is made as step-N.tmp and appears in one rename
-
-def reshard(model):
-    # FSDP2 leaves the root unsharded after a forward with no backward (e.g. no_grad): reshard all
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-def _state(policy, optimizer: bool) -> dict:
-    reshard(policy.model)
-    msd, osd = (get_state_dict(policy.model, policy.optimizer) if optimizer
-                else (get_model_state_dict(policy.model), None))
-    if policy.model.lm_head.weight is policy.model.get_input_embeddings().weight:   # tied: once
-        msd.pop("lm_head.weight", None)
-    return {"model": msd, "optim": osd, "sched": policy.scheduler.state_dict()} if optimizer \
-        else {"model": msd}
-
-
-def finite(policy, optimizer: bool = True) -> bool:
-    """are the weights (and AdamW moments) finite on every rank of the policy's mesh?"""
-    ts = list(policy.model.parameters()) + ([t for st in policy.optimizer.state.values()
-                                             for t in st.values() if t.dim()] if optimizer else [])
-    ok = torch.stack([torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all()
-                      for t in ts]).all().float()
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=policy.mesh.get_group())
-    return bool(ok.item())
-
-
-def save_state(policy, path: str, optimizer: bool = True) -> None:
-    """The weights and, if `optimizer`, the AdamW and schedule state, sharded (torch.distributed.
-    checkpoint; all ranks of the job call; the folder must be on a filesystem all ranks see). On a
-    sub-mesh (students) the groups' copies are deduplicated, so must hold the same weights (theta).
-    Not atomic itself: save_checkpoint writes it in a folder that appears in one rename."""
-    dcp.save(_state(policy, optimizer), checkpoint_id=path)
-
-
-def load_state(policy, path: str, optimizer: bool = True) -> None:
-    state = _state(policy, optimizer)
-    dcp.load(state, checkpoint_id=path)
-    opts = StateDictOptions(strict=False)   # lm_head.weight: tied, loaded as the embedding
-    if optimizer:
-        set_state_dict(policy.model, policy.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=opts)
-        policy.scheduler.load_state_dict(state["sched"])
-    else:
-        set_model_state_dict(policy.model, state["model"], options=opts)
-    if not finite(policy, optimizer):
-        raise RuntimeError(f"{path} holds non-finite weights or optimizer state; move its "
-                           "checkpoint aside to resume from the one before")
-
+# checkpoints: out/ckpt/step-N holds all a restart needs: rloo.save_state per policy, the run's
+# jsonl rows up to step N (rows/), and state.json, which lists every file's size and CRC-32
+# (resume checks them); it is made as step-N.tmp and appears in one rename
 
 def ckpt_dirs(out: str) -> list[str]:
     """the finished checkpoints, oldest first (not step-N.tmp, being written, nor step-N.damaged)"""
@@ -308,27 +269,27 @@ def save_checkpoint(out: str, step: int, policies: dict, state: dict, unchanged:
     hard-linked from there, not written again. Non-finite state is never saved, and a failed write
     (a full disk) removes step-N.tmp and stops the run naming the bytes needed. All ranks call."""
     for name, (policy, optimizer) in policies.items():
-        if not finite(policy, optimizer):
+        if not rloo.finite(policy, optimizer):
             raise RuntimeError(f"the {name}'s weights or optimizer state are not finite after step "
                                f"{step}: not saved (the last checkpoint stays as it was)")
     final = os.path.join(out, "ckpt", f"step-{step}")
-    prev = (on_rank0(ckpt_dirs, out) or [None])[-1]
+    prev = (rloo.on_rank0(ckpt_dirs, out) or [None])[-1]
     tmp = final + ".tmp"
-    linked = on_rank0(lambda: [n for n in unchanged
+    linked = rloo.on_rank0(lambda: [n for n in unchanged
                                if prev and os.path.isdir(os.path.join(prev, n))])
     try:
-        on_rank0(_begin, tmp, prev, linked, rows or {})
+        rloo.on_rank0(_begin, tmp, prev, linked, rows or {})
         for name, (policy, optimizer) in policies.items():
             if name not in linked:
-                save_state(policy, os.path.join(tmp, name), optimizer)
-        listing = on_rank0(lambda: {os.path.relpath(os.path.join(d, f), tmp): None
+                rloo.save_state(policy, os.path.join(tmp, name), optimizer)
+        listing = rloo.on_rank0(lambda: {os.path.relpath(os.path.join(d, f), tmp): None
                                     for d, _, fs in os.walk(tmp) for f in fs})
-        checked = [x for part in all_gather(_checked(tmp, listing)) for x in part]
+        checked = [x for part in rloo.all_gather(_checked(tmp, listing)) for x in part]
         if bad := [x for x in checked if isinstance(x, str)]:
             raise OSError(bad[0])
-        on_rank0(_finish, out, tmp, final, state, {r: [n, c] for r, n, c in checked})
+        rloo.on_rank0(_finish, out, tmp, final, state, {r: [n, c] for r, n, c in checked})
     except (Exception, CheckpointException) as e:   # (the latter is a BaseException)
-        on_rank0(shutil.rmtree, tmp, True)
+        rloo.on_rank0(shutil.rmtree, tmp, True)
         errs = [e, *[f[0] if isinstance(f, tuple) else f   # dcp's: each rank's (error, trace)
                      for f in getattr(e, "failures", {}).values()]]
         why = next((x.strerror for x in errs if isinstance(x, OSError) and x.strerror), None) \
@@ -336,7 +297,7 @@ def save_checkpoint(out: str, step: int, policies: dict, state: dict, unchanged:
         need = sum((12 if opt else 4) * sum(p.numel() for p in policy.model.parameters())
                    for n, (policy, opt) in policies.items() if n not in linked)   # fp32 + AdamW
         free = readable(shutil.disk_usage(out).free, BYTES)
-        raise RuntimeError(f"cannot write the checkpoint {tmp} ({why}): it needs about "
+        raise UsageError(f"cannot write the checkpoint {tmp} ({why}): it needs about "
                            f"{readable(need, BYTES)}, {free} are free there; the last checkpoint "
                            "is kept, rerun to resume") from None
 
@@ -355,11 +316,11 @@ def set_aside(path: str) -> str:
 def _damage(ckpt: str) -> str | None:
     """what is wrong with a checkpoint folder (a file missing, cut short or changed), or None"""
     try:
-        files = on_rank0(lambda: data.read_json(os.path.join(ckpt, "state.json"))["files"])
+        files = rloo.on_rank0(lambda: data.read_json(os.path.join(ckpt, "state.json"))["files"])
     except Exception as e:
         return f"{os.path.join(ckpt, 'state.json')} is unreadable ({e})"
     files = {r: v if isinstance(v, list) else [v, None] for r, v in files.items()}  # sizes only:
-    found = [x for part in all_gather(_checked(ckpt, files)) for x in part]      # before CRCs
+    found = [x for part in rloo.all_gather(_checked(ckpt, files)) for x in part]      # before CRCs
     return "; ".join(x for x in found if isinstance(x, str)) or None
 
 
@@ -368,23 +329,23 @@ def resume(out: str, config: dict, may_change: set) -> tuple[str, dict] | tuple[
     damaged one (a file missing, cut short or changed: every file's size and CRC-32 are checked,
     each rank reading its share) is reported, set aside and the one before used. Refuses one whose
     saved config differs from `config` in a setting outside may_change (it would mix runs)."""
-    ckpts, damaged = on_rank0(ckpt_dirs, out), []
+    ckpts, damaged = rloo.on_rank0(ckpt_dirs, out), []
     while ckpts and (damage := _damage(ckpts[-1])):
         damaged.append(damage)
         bad = ckpts.pop()
-        on_rank0(set_aside, bad)   # kept, for a post-mortem
+        rloo.on_rank0(set_aside, bad)   # kept, for a post-mortem
         if ckpts:
-            print0(f"resume: {damage}; resuming from {ckpts[-1]} instead", file=sys.stderr)
+            rloo.print0(f"resume: {damage}; resuming from {ckpts[-1]} instead", file=sys.stderr)
     if damaged and not ckpts:
-        raise RuntimeError(f"no sound checkpoint in {out}/ckpt ({'; '.join(damaged)}); "
+        raise UsageError(f"no sound checkpoint in {out}/ckpt ({'; '.join(damaged)}); "
                            "move it away to start over")
     if not ckpts:
         return None, None
-    state = on_rank0(data.read_json, os.path.join(ckpts[-1], "state.json"))
+    state = rloo.on_rank0(data.read_json, os.path.join(ckpts[-1], "state.json"))
     diff = {k: (v, config.get(k)) for k, v in state["config"].items()
             if k not in may_change and config.get(k) != v}
     if diff:
-        raise ValueError(f"{ckpts[-1]} was written with other settings (saved, now): {diff}; "
+        raise UsageError(f"{ckpts[-1]} was written with other settings (saved, now): {diff}; "
                          f"use another --out or the same settings")
     return ckpts[-1], {k: v for k, v in state.items() if k not in ("config", "files")}
 
@@ -393,7 +354,7 @@ def restore_rows(out: str, ckpt: str | None, names, quiet: bool = False) -> None
     """(rank 0) each jsonl `names` in out becomes the copy checkpoint `ckpt` committed (rows/; empty
     without a checkpoint), in one rename: what a kill, a cut line or a garbage line left is never
     trusted. Unless quiet, a file that differed is reported."""
-    if not rank0():
+    if not rloo.rank0():
         return
     for name in names:
         path, src = os.path.join(out, name), os.path.join(ckpt or "", "rows", name)
@@ -429,57 +390,11 @@ def hf_behind(out: str, state: dict | None = None, names=("teacher", "student"))
 
 
 # -----------------------------------------------------------------------------
-# seeds, timers, counts
+# seeds, sizes, the step's counts
 
 def seed_of(seed: int, *keys) -> int:
     """Every random draw is a function of (seed, step, ...): a resumed run replays exactly."""
     return random.Random(f"{seed}/" + "/".join(map(str, keys))).randrange(2**31)
-
-
-TIMES = defaultdict(float)   # seconds per key since the caller last cleared it
-COUNTS = defaultdict(int)    # this rank's count(kind, n) totals, keyed "<kind>/<timer key>"
-_open = []                   # [key, seconds spent in nested blocks] of the open timed() blocks
-
-
-@contextmanager
-def timed(key: str):
-    """Exclusive timers: time spent in a nested timed() block counts only for the inner key."""
-    t0 = time.perf_counter()
-    _open.append([key, 0.0])
-    try:
-        yield
-    finally:
-        dt = time.perf_counter() - t0
-        TIMES[key] += dt - _open.pop()[1]
-        if _open:
-            _open[-1][1] += dt
-
-
-def peak_flops() -> float | None:
-    """dense bf16 FLOP/s of this rank's GPU, if PEAK_TFLOPS knows it (None on CPU)"""
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    return next((1e12 * v for k, v in PEAK_TFLOPS.items() if k in name), None)
-
-
-def count(kind: str, n: int = 1) -> None:
-    """n (tokens generated/trained, updates skipped) on this rank, under the innermost open timer"""
-    COUNTS[f"{kind}/{_open[-1][0] if _open else 'other'}"] += n
-
-
-def reset_counts() -> None:
-    COUNTS.clear()
-    data.GRADING_FAULTS.update(dict.fromkeys(data.GRADING_FAULTS, 0))
-
-
-def gather_counts() -> dict:
-    """The counts since reset_counts, summed over all ranks: grading_timeouts, grading_errors
-    (data.GRADING_FAULTS), skipped_updates, tokens/{generated,trained}/<timer key>"""
-    total = defaultdict(int)
-    for part in all_gather({**COUNTS, **data.GRADING_FAULTS}):
-        for k, v in part.items():
-            total[k.split("/")[0] if k.startswith("skipped_updates/") or k in data.GRADING_FAULTS
-                  else "tokens/" + k] += v
-    return dict(sorted(total.items()))
 
 
 BYTES = ((1e9, "GB"), (1e6, "MB"))   # readable()'s units for sizes
@@ -491,41 +406,22 @@ def readable(x: float, units=((1e9, "B"), (1e6, "M"))) -> str:
     return f"{x / scale:.3g} {name}"
 
 
+def peak_flops() -> float | None:
+    """dense bf16 FLOP/s of this rank's GPU, if PEAK_TFLOPS knows it (None on CPU)"""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((1e12 * v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def step_counts(meter: rloo.Meter, faults_before: dict) -> dict:
+    """A step's counts over all ranks: the meter's (tokens per phase, skipped updates) and the
+    grading faults since `faults_before` (data.grading_faults() at the step's start)."""
+    for kind, n in data.grading_faults().items():
+        meter.counts[kind] = n - faults_before[kind]
+    return {"skipped_updates": 0, **meter.gathered()}
+
+
 # -----------------------------------------------------------------------------
-# flags, W&B, the exit
-
-def config_parser(cls, preset: dict, **kwargs) -> argparse.ArgumentParser:
-    """A parser with a --flag per field of dataclass `cls`; help: the field's trailing comment, its
-    default and, if any, the value in `preset` (the built-in world's, used without --model)."""
-    p = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
-    helps = dict(re.findall(r"^\s+(\w+): [^=\n]+=[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
-    for f in dataclasses.fields(cls):
-        h = f"{helps.get(f.name, '')} (default {f.default!r}"
-        h = (h + (f"; built-in world {preset[f.name]!r})" if f.name in preset
-                  else ")")).replace("%", "%%")
-        if f.type is bool:
-            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=None,
-                           help=h)
-        else:
-            p.add_argument(f"--{f.name}", type=f.type, default=None,
-                           metavar=f.type.__name__.upper(), help=h)
-    return p
-
-
-def too_small(cfg, least: dict) -> list[str]:
-    """what is wrong with cfg's counts: `least` maps a least value to the flags it bounds"""
-    return [f"--{f} {getattr(cfg, f)}: need at least {m}" for m, fs in least.items() for f in fs
-            if getattr(cfg, f) < m]
-
-
-def config_from(cls, args: dict, preset: dict):
-    """An instance of `cls`: the flags given, else (without --model: the built-in world) the preset,
-    else the field defaults (with --model: the paper's settings)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    flags = {k: v for k, v in args.items() if k in names and v is not None}
-    base = {} if flags.get("model") else {k: v for k, v in preset.items() if k in names}
-    return cls(**{**base, **flags})
-
+# W&B (--wandb)
 
 def tracker(project: str, name: str, folder: str, config: dict, run_id: str | None = None):
     """(rank 0; --wandb PROJECT) a W&B run logging to folder/wandb, with `config` as its config,
@@ -540,7 +436,7 @@ def tracker(project: str, name: str, folder: str, config: dict, run_id: str | No
                           config=config, resume="allow" if run_id else None,
                           settings=wandb.Settings(silent=True, console="off"))  # console: ours
     except wandb.errors.Error as e:   # no login, no network: one line, before any step
-        raise RuntimeError(f"--wandb {project}: W&B did not start ({data.first_line(e)}); log "
+        raise UsageError(f"--wandb {project}: W&B did not start ({data.first_line(e)}); log "
                            "in (`wandb login`) or set WANDB_MODE=offline") from None
 
 
@@ -576,23 +472,3 @@ def wandb_records(path: str):
             part = b""
 
 
-@contextmanager
-def clean_exit(script: str):
-    """Around a script's main: a RuntimeError, ValueError or OSError ends the run with a one-line
-    message on rank 0 and exit code 1, and so does a SystemExit("message") (the other ranks exit 1
-    silently). The engines shut down before the process group goes (their shutdown tears down
-    vLLM's groups, the default one too; left to the interpreter's exit, it fails)."""
-    try:
-        yield
-    except (RuntimeError, ValueError, OSError) as e:
-        print0(f"{script}: error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except SystemExit as e:
-        if isinstance(e.code, str) and not rank0():
-            raise SystemExit(1) from None
-        raise
-    finally:
-        for llm in ENGINES:
-            llm.llm_engine.engine_core.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
