@@ -4,12 +4,15 @@ Everything that touches model text lives here. Model output is only ever *parsed
 (math-verify turns LaTeX into sympy objects; nothing is executed or eval'ed), and every
 math-verify call on model text runs in a pool of worker processes with integer timeouts and
 an outer deadline, because adversarial answers (power towers, huge factorials) can otherwise
-hang a step for minutes (math-verify 0.9's own timeouts are SIGALRM-based and integer-only).
+hang a step (math-verify 0.9's own timeouts are SIGALRM-based and integer-only).
 
     python data.py math /tmp/math.jsonl    # fetch a hub pool into a local jsonl (connected machine)
 """
+import argparse
+import ctypes
 import io
 import json
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -18,6 +21,7 @@ import signal
 import statistics
 import sys
 import time
+import urllib.request
 import zipfile
 import zlib
 from collections import deque
@@ -49,9 +53,8 @@ provides the final answer in \\boxed{}. The assistant must always follow the for
 
 User: {question} Assistant:"""
 
-# Chat templates that print today's date (Llama 3.x: "Today Date: ...") get this one instead, so the
-# teacher prompt is the same bytes on every day, in every resume, in eval.py and in the teacher's
-# training (Llama 3's own fallback date)
+# Chat templates that print today's date (Llama 3.x: "Today Date: ...") get this one (Llama 3's own
+# fallback): the teacher prompt is the same bytes every day, in every resume, in training and eval
 TEMPLATE_DATE = "26 Jul 2024"
 
 # ---- rewards (METHOD.md "Rewards") ----
@@ -60,8 +63,7 @@ R_CONTAINS = 20.0   # boxed, not verified, but the gold string occurs inside the
 R_BOXED = 10.0      # boxed, neither of the above (also: grading timed out)
 R_NONE = 0.0        # no boxed answer at all
 
-# ---- grading pool: math-verify's timeouts are integer seconds (a float silently fails) and use
-# SIGALRM, which works only in a process's main thread: hence worker processes, not threads ----
+# ---- grading pool: math-verify's timeouts use SIGALRM (main thread only): processes, not threads
 MV_TIMEOUT_S = 1          # math-verify parse/verify timeouts, each (an int: a float silently fails)
 DEADLINE_S = 6.0          # outer deadline per item: a worker past it is killed and replaced
 SPAWN_TIMEOUT_S = 120     # a worker's start (imports included), on a loaded machine too
@@ -107,8 +109,7 @@ def last_boxed(text: str) -> str | None:
 
 
 # the first question, closed by </question> or (as the paper prints it) by <question>, then its
-# answer with no other <question> between; text around and between is free (METHOD.md "Format
-# filter")
+# answer, no other <question> between; text around and between is free (METHOD.md "Format filter")
 _Q = re.compile(r"<question>((?:(?!</?question>).)*?)(?:</question>|<question>)"
                 r"(?:(?!<question>).)*?<answer>(.*?)</answer>", re.S)
 
@@ -124,7 +125,7 @@ def _parse_teacher_text(text: str) -> tuple[str, str] | None:
     return question, answer.strip()
 
 
-# ---- the math-verify side; these run inside worker processes ----
+# ---- the math-verify side: run in the workers, which alone import math-verify (it loads sympy)
 def _mv_parse(s: str):
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
     return parse("\\boxed{" + s + "}",
@@ -156,14 +157,12 @@ def die_with_parent() -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies, so that no orphan goes on
     running (or writing into a run folder) after its launcher is gone."""
     if sys.platform.startswith("linux"):
-        import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
         if os.getppid() == 1:                         # the parent died before we asked
             os._exit(1)
 
 
 def _worker(conn):
-    import logging
     die_with_parent()   # its parent is multiprocessing's fork server, which exits with our process
     import math_verify  # noqa: F401  (loaded before "ready": the deadline must not pay for imports)
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # timeouts are expected, not news
@@ -178,8 +177,7 @@ def _worker(conn):
 
 
 _pool: list = []  # [process, connection] pairs, built on first use and kept
-# items past the deadline (worker killed) and items whose worker crashed or raised, since the start
-# (grading_faults: soar.py and eval.py log the differences per step)
+# since the start: items past the deadline (worker killed), items whose worker crashed or raised
 GRADING_FAULTS = {"grading_timeouts": 0, "grading_errors": 0}
 WARN_FAULT_SHARE = 0.01   # grade() warns when more than this share of a batch failed so
 
@@ -202,7 +200,9 @@ def _pool_map(kind: str, items: list[tuple], on_timeout) -> list:
     DEADLINE_S gets on_timeout (its worker is killed and replaced). Cannot hang."""
     while len(_pool) < GRADE_WORKERS:
         _pool.append(_spawn())
-    out, todo, busy = [on_timeout] * len(items), deque(range(len(items))), {}  # busy: w -> (i, t0)
+    out = [on_timeout] * len(items)
+    todo = deque(range(len(items)))
+    busy = {}   # worker -> (item, its start)
     while todo or busy:
         for w in range(len(_pool)):
             if w not in busy and todo:
@@ -216,7 +216,8 @@ def _pool_map(kind: str, items: list[tuple], on_timeout) -> list:
             try:
                 res = conn.recv()
             except EOFError:  # the worker died (e.g. out of memory on a huge number)
-                res, _pool[w] = None, _spawn()
+                res = None
+                _pool[w] = _spawn()
             GRADING_FAULTS["grading_errors"] += res is None
             out[i] = on_timeout if res is None else res
         now = time.monotonic()
@@ -239,7 +240,8 @@ def grade(completions: list[str], golds: list[str]) -> list[float]:
     if len(completions) != len(golds):
         raise ValueError(f"grade: {len(completions)} completions but {len(golds)} gold answers")
     keys = [(last_boxed(c), g) for c, g in zip(completions, golds)]
-    first, graded = {}, {}  # distinct pair -> first completion; no box: R_NONE, no worker needed
+    first = {}    # distinct pair -> its first completion, graded by a worker
+    graded = {}   # distinct pair -> reward (plain integers); no box: R_NONE, no worker needed
     for i, (boxed, gold) in enumerate(keys):
         b, g = (boxed or "").strip(), gold.strip()   # (int() refuses some of what strip() removes)
         if _INT.fullmatch(b) and _INT.fullmatch(g):
@@ -259,8 +261,7 @@ def grade(completions: list[str], golds: list[str]) -> list[float]:
 
 
 def solved(completions: list[str], golds: list[str]) -> list[bool]:
-    """per completion: is its boxed answer correct (the 120 case of grade)? Acc, pass@k and fail@k
-    count these."""
+    """per completion: is its boxed answer correct (R_CORRECT)? Acc, pass@k and fail@k count this"""
     return [r == R_CORRECT for r in grade(completions, golds)]
 
 
@@ -275,9 +276,7 @@ def engine_len(tok, questions: list[str], student_max_tokens: int,
     be one) plus a completion, or the teacher prompt plus a teacher sample; 16 tokens of slack."""
     longest = max([len(tok(q).input_ids) for q in questions] + [teacher_max_tokens])
     student = len(tok(student_prompt("")).input_ids) + longest + student_max_tokens
-    teacher = 0
-    if teacher_max_tokens:
-        teacher = len(teacher_prompt(tok)) + teacher_max_tokens
+    teacher = len(teacher_prompt(tok)) + teacher_max_tokens if teacher_max_tokens else 0
     return max(student, teacher) + 16
 
 
@@ -320,17 +319,16 @@ def _read_jsonl(path: str) -> list[tuple[int, object]]:
 
 
 def _read_parquet(path: str) -> list[tuple[int, dict]]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq   # here, not at the top: parquet files only (optional formats)
     return list(enumerate(pq.read_table(path).to_pylist(), 1))
 
 
 def _from_hub(name: str) -> list[dict]:
     """MATH / OlympiadBench by hub id, HARP from its GitHub release (connected machines only)."""
     if name == "harp":
-        import urllib.request
         with urllib.request.urlopen(HARP_URL) as r:
             return read_harp_zip(io.BytesIO(r.read()))
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download   # connected machines only
     repo, pattern = HUB[name]
     folder = snapshot_download(repo, repo_type="dataset", allow_patterns=[pattern])
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(folder)
@@ -416,8 +414,7 @@ def read_json(path: str):
 def append_jsonl(path: str, rows: list[dict]) -> None:
     """Append and fsync: a row that was logged survives a crash."""
     with open(path, "a", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         f.flush()
         os.fsync(f.fileno())
 
@@ -456,9 +453,10 @@ def embed_ngram(texts: list[str], dim: int = 4096, n: int = 3) -> np.ndarray:
 
 def embed_hf(texts: list[str], path: str, batch: int = 32) -> np.ndarray:
     """Mean-pooled last hidden states of a HF model (e.g. the base model, or a sentence encoder)."""
-    import torch
+    import torch   # here, not at the top: only --embed with a model needs torch and transformers
     from transformers import AutoModel, AutoTokenizer
-    tok, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path).eval()
     tok.pad_token = tok.pad_token or tok.eos_token
     out = []
     for i in range(0, len(texts), batch):
@@ -497,7 +495,6 @@ def embed(texts: list[str], how: str = "ngram") -> np.ndarray:
 
 
 def parse_args(argv=None):
-    import argparse
     p = argparse.ArgumentParser(prog="data.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source",

@@ -45,7 +45,8 @@ class Config:
     model: str = launch.flag("",
         'base model (every fresh student starts here); "" = built-in world')
     world: str = launch.flag("default",
-        "the built-in world without --model: default, or small (the tests')")
+        "the built-in world without --model: default, or small (the tests')",
+        choices=("default", "small"))
     train: str = launch.flag("",
         "hard train split (question/answer jsonl/parquet); \"\" = the world's")
     test: str = launch.flag("", "hard test split; \"\" = the world's")
@@ -72,9 +73,11 @@ class Config:
     split_seed: int = launch.flag(0, "seed of the 50/50 train/test split")
     # ---- fresh students (METHOD.md "Hyperparameters", "Evaluation protocol") ----
     mode: str = launch.flag("mixed",
-        "synthetic + real: mixed (HARP, Olympiad) or curriculum (MATH)")
+        "synthetic + real: mixed (HARP, Olympiad) or curriculum (MATH)",
+        choices=("mixed", "curriculum"))
     sampler: str = launch.flag("uniform",
-        "a fresh student's questions: uniform (shuffled epochs) or leeps")
+        "a fresh student's questions: uniform (shuffled epochs) or leeps",
+        choices=("uniform", "leeps"))
     sept_temperature: float = launch.flag(1.0,
         "SePT's answer temperature (0.5/0.7/1.0: best on a train half)")
     student_steps: int = launch.flag(1500,
@@ -112,6 +115,10 @@ class Config:
     # ---- systems ----
     micro_batch_tokens: int = launch.flag(16384,
         "tokens per forward/backward pass (rows x longest row)")
+    prompt_pass: str = launch.flag("auto",
+        "training forward: shared (each distinct prompt once), single (one causal pass per row) "
+        "or auto (rloo.SHARED_PROMPTS_BY_DEVICE: shared on CPU, single on GPU)",
+        choices=("auto", "shared", "single"))
     activation_checkpointing: bool = launch.flag(True,
         "recompute activations: a 3B student fits beside vLLM")
     gpu_memory_utilization: float = launch.flag(0.3, "the vLLM engine's share of GPU memory")
@@ -126,7 +133,7 @@ KS = (1, 4, 8, 16, 32)
 LEEPS_WINDOW = 20       # steps over which each portfolio's share of non-trivial groups is measured
 LEEPS_NEIGHBOURS = 8    # nearest neighbours whose outcomes rank an explore question
 TEACHER_ROUNDS = 8      # rejection-sampling rounds for a teacher's questions (teacher_questions)
-MAY_CHANGE = {"runs", "out", "seeds", "ckpt_every", "micro_batch_tokens",
+MAY_CHANGE = {"prompt_pass", "runs", "out", "seeds", "ckpt_every", "micro_batch_tokens",
               "activation_checkpointing", "gpu_memory_utilization", "verbose", "wandb",
               "wandb_name"}   # settings a resumed run may change
 
@@ -219,9 +226,6 @@ def parse_args(argv=None) -> tuple[str, list[str], Config]:
     bad = launch.too_small(cfg) + ["--temperature: need T > 0"] * (cfg.temperature <= 0)
     if bad:
         error("these settings cannot work: " + "; ".join(bad))
-    if cfg.mode not in ("mixed", "curriculum") or cfg.sampler not in ("uniform", "leeps"):
-        error(f"--mode must be mixed or curriculum and --sampler uniform or leeps, not "
-              f"{cfg.mode!r}, {cfg.sampler!r}")
     if command == "row" and (not args or set(args) - set(ROWS)):
         error(f"row needs methods out of: {', '.join(ROWS)}")
     if command == "train" and not (cfg.synthetic and cfg.name) or cfg.name in ROWS:
@@ -296,14 +300,14 @@ def early_stop(rewards: list[float], window: int = 25, fraction: float = 0.15) -
 def select(evals: list[dict], rewards: list[float], cfg: Config, offset: int = 0) -> dict:
     """One run's number: the test metric at --fixed_step, else its mean over the evals in [stop,
     stop + es_average] (no stop yet: the last es_average steps); the rule sees rewards[offset:]."""
+    stop = None if cfg.fixed_step else early_stop(rewards[offset:], cfg.es_window, cfg.es_fraction)
     if cfg.fixed_step:
-        rule, lo, hi = "fixed", cfg.fixed_step, cfg.fixed_step
+        rule, lo = "fixed", cfg.fixed_step
+    elif stop is not None:
+        rule, lo = "early-stop", stop + offset
     else:
-        stop = early_stop(rewards[offset:], cfg.es_window, cfg.es_fraction)
-        last = evals[-1]["step"]
-        rule, lo = (("early-stop", stop + offset) if stop is not None
-                    else ("last", max(0, last - cfg.es_average)))
-        hi = lo + cfg.es_average
+        rule, lo = "last", max(0, evals[-1]["step"] - cfg.es_average)
+    hi = lo if cfg.fixed_step else lo + cfg.es_average
     rows = ([e for e in evals if lo <= e["step"] <= hi]
             or [min(evals, key=lambda e: abs(e["step"] - lo))])
     keys = [k for k in rows[0] if k.startswith("pass@")]
@@ -360,8 +364,8 @@ def leeps(n: int, emb: np.ndarray, history: list[dict], size: int, rng: random.R
     if seen and explore:  # neighbours' similarity-weighted, Laplace-smoothed non-trivial share
         sim = np.maximum(emb[explore] @ emb[seen].T, 0)
         near = np.argsort(-sim, axis=1)[:, :LEEPS_NEIGHBOURS]
-        w, outcome = (np.take_along_axis(sim, near, 1),
-                      np.array([last[i] for i in seen], dtype=float)[near])
+        w = np.take_along_axis(sim, near, 1)
+        outcome = np.array([last[i] for i in seen], dtype=float)[near]
         promise = ((w * outcome).sum(1) + 1) / (w.sum(1) + 2)
     else:
         promise = np.full(len(explore), 0.5)
@@ -414,6 +418,50 @@ def inference_run(cfg: Config, seed: int, method: str, path: str, llm, mesh, tes
     return res
 
 
+def fresh_student(cfg: Config, row: Row, mesh, out: str, config: dict):
+    """(policy, step): the base model at step 0, or where out/ckpt left it (and its rows files)."""
+    warmup = 0 if cfg.mode == "curriculum" else cfg.student_warmup
+    policy = rloo.load_policy(cfg.model, mesh, lr=cfg.student_lr, warmup_steps=warmup,
+                              total_steps=cfg.student_steps, kl_coef=cfg.kl_coef if row.kl else 0.0,
+                              activation_checkpointing=cfg.activation_checkpointing,
+                              prompts=cfg.prompt_pass)
+    ckpt, state = launch.resume(out, config, MAY_CHANGE)
+    if ckpt:
+        rloo.load_state(policy, os.path.join(ckpt, "policy"))
+    launch.restore_rows(out, ckpt, ("metrics.jsonl", "evals.jsonl"))   # only the ckpt's steps
+    return policy, (state["step"] if ckpt else 0)
+
+
+def student_step(cfg: Config, row: Row, seed: int, step: int, policy, llm, synthetic, real,
+                 metrics: list[dict], emb: dict) -> dict:
+    """One RLOO step of a fresh student on its sampler's questions: the step's metrics row."""
+    t0 = time.perf_counter()
+    meter = rloo.Meter()   # this step's only (not the evaluation's nor another run's)
+    faults = data.grading_faults()
+    source, pool, idx = batch_at(step, synthetic, real, cfg, seed)
+    portfolio = None
+    if cfg.sampler == "leeps":   # history: the metrics rows of earlier steps on this pool
+        if source not in emb:   # once per pool, not every step
+            emb[source] = data.embed_ngram([q["question"] for q in pool])
+        history = [m for m in metrics if m["source"] == source]
+        idx, portfolio = leeps(len(pool), emb[source], history, cfg.student_questions,
+                               random.Random(f"{seed}/leeps/{step}"))
+    sampler_s = time.perf_counter() - t0
+    batch = [(pool[i]["question"], pool[i]["answer"]) for i in idx]
+    stats = rloo.rl_step(policy, llm, batch, prompt=data.student_prompt, reward=data.grade,
+                         samples=cfg.student_samples, temperature=getattr(cfg, row.temperature),
+                         max_tokens=cfg.student_max_tokens, group=dist.group.WORLD,
+                         seed=launch.seed_of(seed, "student", step),
+                         micro_batch_tokens=cfg.micro_batch_tokens, advantages=row.advantages,
+                         loss=rloo.rloo_loss, train_temperature=row.train_temperature, meter=meter)
+    sample_rewards = stats.pop("rewards")
+    stats["accuracy"] = statistics.fmean(r == data.R_CORRECT for r in sample_rewards)
+    return {"step": step, "source": source, "questions": idx, "portfolio": portfolio, **stats,
+            "nontrivial_share": statistics.fmean(stats["nontrivial"]), "skipped_updates": 0,
+            **launch.step_counts(meter, faults), "sampler_seconds": round(sampler_s, 4),
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
 def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, test, llm, mesh,
               out: str) -> dict:
     """A fresh student from the base model on synthetic + real (METHOD.md "Evaluation protocol") as
@@ -423,26 +471,21 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
     cfg = dataclasses.replace(cfg, student_samples=getattr(cfg, row.group),
                               sampler=row.sampler or cfg.sampler,
                               mode=cfg.mode if synthetic else "mixed")  # hard-only: hard split only
-    warmup = 0 if cfg.mode == "curriculum" else cfg.student_warmup
     offset = cfg.switch_step if cfg.mode == "curriculum" else 0  # the rule sees the real-only phase
     config = {**dataclasses.asdict(cfg), "seed": seed, "method": method}
-    policy = rloo.load_policy(cfg.model, mesh, lr=cfg.student_lr, warmup_steps=warmup,
-                              total_steps=cfg.student_steps, kl_coef=cfg.kl_coef if row.kl else 0.0,
-                              activation_checkpointing=cfg.activation_checkpointing)
-    metrics_path, evals_path = os.path.join(out, "metrics.jsonl"), os.path.join(out, "evals.jsonl")
-    ckpt, state = launch.resume(out, config, MAY_CHANGE)
-    if ckpt:
-        rloo.load_state(policy, os.path.join(ckpt, "policy"))
-    start = state["step"] if ckpt else 0
-    launch.restore_rows(out, ckpt, ("metrics.jsonl", "evals.jsonl"))   # only the ckpt's steps
+    policy, step = fresh_student(cfg, row, mesh, out, config)
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    evals_path = os.path.join(out, "evals.jsonl")
     rloo.print0(f"{method} seed {seed}: {len(synthetic)} synthetic + {len(real)} real questions, "
-                  f"{cfg.mode}, group {cfg.student_samples}; "
-                  f"{'resuming at' if start else 'starting at'} step {start} -> {out}")
+                f"{cfg.mode}, group {cfg.student_samples}; "
+                f"{'resuming at' if step else 'starting at'} step {step} -> {out}")
     dist.barrier()
-    metrics, evals, emb = data.read_jsonl(metrics_path), data.read_jsonl(evals_path), {}
+    metrics = data.read_jsonl(metrics_path)
+    evals = data.read_jsonl(evals_path)
     rewards = [m["reward"] for m in metrics]
-    step, committed = start, (len(metrics), len(evals))   # the rows the last checkpoint holds
-    with tqdm(total=cfg.student_steps, initial=start, disable=not rloo.rank0(), desc=method,
+    committed = (len(metrics), len(evals))   # the rows the last checkpoint holds
+    emb = {}   # leeps: the question embeddings of each pool
+    with tqdm(total=cfg.student_steps, initial=step, disable=not rloo.rank0(), desc=method,
               dynamic_ncols=True) as bar:
         while True:
             if step % cfg.eval_every == 0 or step == cfg.fixed_step or step == cfg.student_steps:
@@ -452,40 +495,14 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
                     data.append_jsonl(evals_path, [evals[-1]])
             if step >= cfg.student_steps or finished(rewards, step, cfg, offset):
                 break
-            t0 = time.perf_counter()
-            meter = rloo.Meter()   # this step's only (not the evaluation's nor another run's)
-            faults = data.grading_faults()
-            source, pool, idx = batch_at(step, synthetic, real, cfg, seed)
-            portfolio = None
-            if cfg.sampler == "leeps":   # history: the metrics rows of earlier steps on this pool
-                if source not in emb:   # once per pool, not every step
-                    emb[source] = data.embed_ngram([q["question"] for q in pool])
-                idx, portfolio = leeps(len(pool), emb[source],
-                                       [m for m in metrics if m["source"] == source],
-                                       cfg.student_questions, random.Random(f"{seed}/leeps/{step}"))
-            sampler_s = time.perf_counter() - t0
-            batch = [(pool[i]["question"], pool[i]["answer"]) for i in idx]
-            stats = rloo.rl_step(policy, llm, batch, prompt=data.student_prompt,
-                                 reward=data.grade, samples=cfg.student_samples,
-                                 temperature=getattr(cfg, row.temperature),
-                                 max_tokens=cfg.student_max_tokens, group=dist.group.WORLD,
-                                 seed=launch.seed_of(seed, "student", step),
-                                 micro_batch_tokens=cfg.micro_batch_tokens,
-                                 advantages=row.advantages, loss=rloo.rloo_loss,
-                                 train_temperature=row.train_temperature, meter=meter)
-            sample_rewards = stats.pop("rewards")
-            stats["accuracy"] = statistics.fmean(r == data.R_CORRECT for r in sample_rewards)
-            rewards.append(stats["reward"])
-            metrics.append({
-                "step": step, "source": source, "questions": idx, "portfolio": portfolio, **stats,
-                "nontrivial_share": statistics.fmean(stats["nontrivial"]), "skipped_updates": 0,
-                **launch.step_counts(meter, faults), "sampler_seconds": round(sampler_s, 4),
-                "seconds": round(time.perf_counter() - t0, 3)})
+            metrics.append(student_step(cfg, row, seed, step, policy, llm, synthetic, real,
+                                        metrics, emb))
+            rewards.append(metrics[-1]["reward"])
             if rloo.rank0():
                 data.append_jsonl(metrics_path, metrics[-1:])
             step += 1
             bar.update(1)
-            bar.set_postfix(reward=f"{stats['reward']:.1f}", acc=f"{stats['accuracy']:.3f}")
+            bar.set_postfix(reward=f"{rewards[-1]:.1f}", acc=f"{metrics[-1]['accuracy']:.3f}")
             if step % cfg.ckpt_every == 0:
                 launch.save_checkpoint(out, step, {"policy": (policy, True)},
                                        {"step": step, "config": config},
@@ -499,7 +516,7 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
                                  if metrics else None), **select(evals, rewards, cfg, offset))
     if rloo.rank0():
         data.write_json(os.path.join(out, "result.json"), res)
-        shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)  # optimizer state: GBs a run
+        shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)  # its optimizer state: large
     dist.barrier()
     return res
 
@@ -518,7 +535,7 @@ def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False,
                               cfg.student_max_tokens, cfg.teacher_max_tokens if teacher else 0)
     if cfg.micro_batch_tokens < seq_len:
         raise launch.UsageError(f"--micro_batch_tokens {cfg.micro_batch_tokens} is less "
-                         f"than one sequence (prompt + completion: up to {seq_len} tokens)")
+                                f"than one sequence (prompt + completion: up to {seq_len} tokens)")
     llm = rloo.build_engine(cfg.model, seed=seeds(cfg)[0], max_model_len=seq_len,
                             gpu_memory_utilization=engine_share or cfg.gpu_memory_utilization,
                             verbose=cfg.verbose)
@@ -540,7 +557,7 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
     """The rows `methods` x seeds, each into its run folder, each as its ROWS entry says."""
     if all(done(cfg, m, s) for m in methods for s in seeds(cfg)):   # before any engine is built
         rloo.print0(f"{cfg.runs}: {', '.join(methods)} x seeds {cfg.seeds}: all finished "
-                      "already; nothing to do")
+                    "already; nothing to do")
         return
     rows = {m: row_of(m, cfg) for m in methods}
     if missing := missing_inputs(rows, cfg):   # before the world is built
@@ -549,22 +566,21 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
                  if t and "{model}" not in t}:   # a soar.py run's teacher/ or student/
         if behind := launch.hf_behind(os.path.dirname(path), names=[os.path.basename(path)]):
             raise launch.UsageError(f"{behind[0]} is behind its run's checkpoint: rerun "
-                             "that soar.py command to finish writing it")
+                                    "that soar.py command to finish writing it")
     cfg = world.resolve(cfg)
     soar = soar_config(cfg.soar) if any("{soar}" in t for r in rows.values()
                                         for t in (r.model, r.teacher, r.file)) else None
-    if soar:   # SOAR's outputs only mean something against the base model SOAR started from
-        if os.path.realpath(soar["model"]) != os.path.realpath(cfg.model):
-            raise launch.UsageError(f"{cfg.soar} was run from {soar['model']}, "
-                             f"not from --model {cfg.model}")
+    # SOAR's outputs only mean something against the base model SOAR started from
+    if soar and os.path.realpath(soar["model"]) != os.path.realpath(cfg.model):
+        raise launch.UsageError(f"{cfg.soar} was run from {soar['model']}, "
+                                f"not from --model {cfg.model}")
     if not (cfg.train and cfg.test):
         raise launch.UsageError("--train and --test are required with --model: "
-                         "the fail@128 train and test splits")
+                                "the fail@128 train and test splits")
     rloo.init_distributed()   # rank 0 reads the problems (load_problems drops some on timeouts)
     hard = launch.problems(cfg.train)
     test = launch.problems(cfg.test)
-    files = {r.file: launch.problems(path_of(r.file, cfg))
-             for r in rows.values() if r.file}
+    files = {r.file: launch.problems(path_of(r.file, cfg)) for r in rows.values() if r.file}
     mesh, tok, llm = setup(cfg, [hard, test, *files.values()],
                            teacher=any(r.teacher for r in rows.values()))
     for method, row in rows.items():
@@ -578,29 +594,35 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
                 res = inference_run(cfg, seed, method, path_of(row.model, cfg), llm, mesh,
                                     test, out)
             else:
-                synthetic = files.get(row.file, [])
-                if row.teacher:  # teacher questions: sampled once per seed, kept in the run folder
-                    qpath = os.path.join(out, "questions.jsonl")
-                    synthetic = data.read_jsonl(qpath)
-                    if not synthetic:
-                        synthetic = teacher_questions(path_of(row.teacher, cfg), cfg, seed, llm,
-                                                      tok, mesh)
-                        if rloo.rank0():
-                            data.write_jsonl(qpath, synthetic)
-                if row.keep:
-                    synthetic = pq_subset(synthetic, row.keep, cfg)
-                if row.subsample:
-                    synthetic = random.Random(f"{seed}/upper").sample(
-                        synthetic, min(cfg.teacher_questions, len(synthetic)))
+                synthetic = row_questions(cfg, row, seed, files, out, llm, tok, mesh)
                 if row.file and not synthetic:
                     rloo.print0(f"{method}: skipped, {path_of(row.file, cfg)} "
-                                  "has no such questions yet")
+                                "has no such questions yet")
                     continue
                 res = train_run(cfg, seed, method, row, synthetic, hard, test, llm, mesh, out)
             rloo.print0(f"{method} seed {seed}: " + "  ".join(f"{k} {100 * v:.1f}%"
                                                                 for k, v in res["passk"].items()))
     log_tables(cfg, [data.read_json(os.path.join(run_dir(cfg, m, s), "result.json"))
                      for m in methods for s in seeds(cfg) if done(cfg, m, s)])
+
+
+def row_questions(cfg: Config, row: Row, seed: int, files: dict, out: str, llm, tok,
+                  mesh) -> list[dict]:
+    """The question set a fresh student of `row` adds to the hard train split, for seed `seed`."""
+    synthetic = files.get(row.file, [])
+    if row.teacher:  # teacher questions: sampled once per seed, kept in the run folder
+        qpath = os.path.join(out, "questions.jsonl")
+        synthetic = data.read_jsonl(qpath)
+        if not synthetic:
+            synthetic = teacher_questions(path_of(row.teacher, cfg), cfg, seed, llm, tok, mesh)
+            if rloo.rank0():
+                data.write_jsonl(qpath, synthetic)
+    if row.keep:
+        synthetic = pq_subset(synthetic, row.keep, cfg)
+    if row.subsample:
+        synthetic = random.Random(f"{seed}/upper").sample(
+            synthetic, min(cfg.teacher_questions, len(synthetic)))
+    return synthetic
 
 
 def pq_subset(pq: list[dict], which: str, cfg: Config) -> list[dict]:
@@ -661,7 +683,8 @@ def cmd_filter(cfg: Config, pools: list[str]) -> None:
     rloo.init_distributed()
     problems = {p: launch.problems(p) for p in pools}
     mesh, tok, llm = setup(cfg, list(problems.values()), engine_share=0.9)   # no trainer beside
-    n, chunk = cfg.filter_samples, max(1, 8192 // cfg.filter_samples)
+    n = cfg.filter_samples
+    chunk = max(1, 8192 // n)   # problems per call: about 8192 samples
     for pool, probs in problems.items():
         out = os.path.join(cfg.out, os.path.splitext(os.path.basename(pool))[0])
         counts_path = os.path.join(out, "counts.jsonl")
@@ -816,7 +839,8 @@ def teacher_runs(cfg: Config) -> dict[str, dict]:
     teacher reward (from the config), metrics and curriculum (what the teacher wrote)."""
     runs = {}
     for d in ",".join(x for x in (cfg.soar, cfg.intrinsic, cfg.opensir) if x).split(","):
-        metrics, config = data.read_jsonl(os.path.join(d, "metrics.jsonl")), soar_config(d)
+        metrics = data.read_jsonl(os.path.join(d, "metrics.jsonl"))
+        config = soar_config(d)
         if metrics and config:
             runs[d] = dict(reward=config["reward"], metrics=metrics, curriculum=curriculum(
                 data.read_jsonl(os.path.join(d, "questions.jsonl"))))
@@ -845,13 +869,13 @@ def teacher_learning(runs: dict[str, dict]) -> list[str]:
             (i for i, m in enumerate(r["metrics"]) if m["promoted"]), len(r["metrics"]))]]
         a = statistics.fmean(len(set(m["R_k"])) > 1 for m in before) if before else math.nan
         b = slope_ci([[m["reward"] for m in r["metrics"]] for r in rs])
-        first, last = [], []
+        first, last = [], []   # per run: the useful share in its first and in its last quarter
         for r in rs:
             shares = [sum(v[c] for c in world.USEFUL) for v in r["curriculum"].values()]
             if shares:   # a run from before soar.py wrote questions.jsonl has none
                 q = max(1, len(shares) // 4)
-                first, last = (first + [statistics.fmean(shares[:q])],
-                               last + [statistics.fmean(shares[-q:])])
+                first.append(statistics.fmean(shares[:q]))
+                last.append(statistics.fmean(shares[-q:]))
         c = ("{:.0%} ± {:.0%} -> {:.0%} ± {:.0%}".format(*mean_std(first), *mean_std(last))
              if first else "-")
         lines.append(f"| {reward} | {len(rs)} | {min(len(r['metrics']) for r in rs)} | {a:.0%} of "
@@ -890,14 +914,12 @@ def cmd_report(cfg: Config, args=()) -> str:
     """report.md in --out (default --runs): a table per test split from every result.json under
     --runs, the Vendi score of every question set in sight (each --soar run's PQ, the teachers'
     samples), plots curves.png (fresh students) and soar.png (each --soar run's metrics.jsonl)."""
-    import matplotlib
+    import matplotlib   # the plots' functions import it, not the top: only the report plots
     matplotlib.use("Agg")
     out = cfg.out or cfg.runs
     os.makedirs(out, exist_ok=True)
-    results = []
-    for path in sorted(glob.glob(os.path.join(cfg.runs, "**", "result.json"), recursive=True)):
-        with open(path) as f:
-            results.append({**json.load(f), "dir": os.path.dirname(path)})
+    found = sorted(glob.glob(os.path.join(cfg.runs, "**", "result.json"), recursive=True))
+    results = [{**data.read_json(p), "dir": os.path.dirname(p)} for p in found]
     lines = ["# SOAR evaluation", ""]
     for test in sorted({r["test"] for r in results}):
         lines += table(results, test)

@@ -1,5 +1,4 @@
-"""
-What a launched script needs around the method (soar.py, eval.py): its flags, its exit, one run
+"""What a launched script needs around the method (soar.py, eval.py): its flags, its exit, one run
 per folder, sharded checkpoints that a resume checks and falls back from, the rows files rewritten
 from them, seeds, the step's counts, and W&B. The RL engine itself is rloo.py; the text side is
 data.py.
@@ -70,9 +69,11 @@ def main(script: str, fn, *args) -> None:
 # -----------------------------------------------------------------------------
 # flags: one dataclass field each, its help and least value in the field's metadata
 
-def flag(default, help: str, least=None):
-    """a Config field: its default (the paper's), its --help line, and the least value it takes"""
-    return dataclasses.field(default=default, metadata={"help": help, "least": least})
+def flag(default, help: str, least=None, choices=None):
+    """a Config field: its default (the paper's), its --help line, and the values it takes: at least
+    `least` (too_small says which flags are below, all at once) or one of `choices` (argparse)"""
+    return dataclasses.field(default=default,
+                             metadata={"help": help, "least": least, "choices": choices})
 
 
 def config_parser(cls, preset: dict, **kwargs) -> argparse.ArgumentParser:
@@ -88,8 +89,8 @@ def config_parser(cls, preset: dict, **kwargs) -> argparse.ArgumentParser:
             p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=None,
                            help=h)
         else:
-            p.add_argument(f"--{f.name}", type=f.type, default=None,
-                           metavar=f.type.__name__.upper(), help=h)
+            p.add_argument(f"--{f.name}", type=f.type, default=None, help=h,
+                           choices=f.metadata.get("choices"), metavar=f.type.__name__.upper())
     return p
 
 
@@ -116,8 +117,7 @@ def too_small(cfg) -> list[str]:
 
 
 def tokenizer(model: str):
-    """the tokenizer of --model, or a usage error if it is neither an HF folder nor a hub id that
-    can be reached"""
+    """the tokenizer of --model; a usage error if neither an HF folder nor a reachable hub id"""
     from transformers import AutoTokenizer   # (transformers is imported by rloo already)
     try:
         return AutoTokenizer.from_pretrained(model)
@@ -199,7 +199,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-
 # -----------------------------------------------------------------------------
 # checkpoints: out/ckpt/step-N holds all a restart needs: rloo.save_state per policy, the run's
 # jsonl rows up to step N (rows/), and state.json, which lists every file's size and CRC-32
@@ -217,7 +216,7 @@ def _crc(path: str) -> int:
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(1 << 24):
-            crc = zlib.crc32(block, crc)   # 1.3 GB/s on one core
+            crc = zlib.crc32(block, crc)
     return crc
 
 
@@ -225,8 +224,8 @@ def _checked(folder: str, files: dict) -> list:
     """every rank reads its share of folder's `files` (relative path: [size, crc] or None to
     compute): the (path, size, crc) of each file of the share, or what is wrong with it"""
     mine = []
-    for rel in sorted(files)[dist.get_rank()::dist.get_world_size()]:
-        path, want = os.path.join(folder, rel), files[rel]
+    for rel, want in sorted(files.items())[dist.get_rank()::dist.get_world_size()]:
+        path = os.path.join(folder, rel)
         size = os.path.getsize(path) if os.path.exists(path) else None
         crc = _crc(path) if size is not None and (not want or size == want[0]) else None
         if size is None or want and size != want[0]:
@@ -305,7 +304,8 @@ def save_checkpoint(out: str, step: int, policies: dict, state: dict, unchanged:
 def set_aside(path: str) -> str:
     """rename path to path.damaged (kept for a post-mortem), or .damaged-2, -3... if a step of the
     same number was damaged before; returns the new name"""
-    aside, n = path + ".damaged", 1
+    aside = path + ".damaged"
+    n = 1
     while os.path.exists(aside):
         n += 1
         aside = f"{path}.damaged-{n}"
@@ -329,7 +329,8 @@ def resume(out: str, config: dict, may_change: set) -> tuple[str, dict] | tuple[
     damaged one (a file missing, cut short or changed: every file's size and CRC-32 are checked,
     each rank reading its share) is reported, set aside and the one before used. Refuses one whose
     saved config differs from `config` in a setting outside may_change (it would mix runs)."""
-    ckpts, damaged = rloo.on_rank0(ckpt_dirs, out), []
+    ckpts = rloo.on_rank0(ckpt_dirs, out)
+    damaged = []
     while ckpts and (damage := _damage(ckpts[-1])):
         damaged.append(damage)
         bad = ckpts.pop()
@@ -357,7 +358,8 @@ def restore_rows(out: str, ckpt: str | None, names, quiet: bool = False) -> None
     if not rloo.rank0():
         return
     for name in names:
-        path, src = os.path.join(out, name), os.path.join(ckpt or "", "rows", name)
+        path = os.path.join(out, name)
+        src = os.path.join(ckpt or "", "rows", name)
         want = open(src, encoding="utf-8").read() if ckpt and os.path.exists(src) else ""
         have = open(path, encoding="utf-8", errors="replace").read() \
             if os.path.exists(path) else None
@@ -443,8 +445,8 @@ def tracker(project: str, name: str, folder: str, config: dict, run_id: str | No
 def tracked_steps(run, folder: str) -> int:
     """The first step W&B does not hold of `run` (a tracker's): online, what the resumed run says;
     offline, where W&B cannot resume (wandb#2423), each process writes an offline run of the id, and
-    what they hold is in their .wandb files. W&B flushes those every 15 s, so a kill loses the last
-    rows it was sent: they are read, not trusted."""
+    what they hold is in their .wandb files. W&B flushes those now and then, so a kill loses the
+    last rows it was sent: they are read, not trusted."""
     if run.settings.mode != "offline":
         return run.step
     paths = glob.glob(os.path.join(folder, "wandb", f"offline-run-*-{run.id}", "*.wandb"))

@@ -56,6 +56,10 @@ ADAM_EPS = 1e-8
 # training numerics
 GPU_PARAM_DTYPE = torch.bfloat16   # compute dtype on GPU; master weights + grads reduce stay fp32
 LOGIT_CHUNK_TOKENS = 2048   # token_logprobs runs the vocabulary head on this many tokens at a time
+# token_logprobs' forward path by device, where --prompt_pass is "auto" (prompt_pass): shared
+# prompts halve the CPU step on the built-in world, whose prompts are most of each row; on an H200
+# at the paper's shape (prompts 128 of 1152 tokens) they cost 23% (docs/scale.md)
+SHARED_PROMPTS_BY_DEVICE = {"cpu": True, "cuda": False}
 MAX_NONFINITE = 3           # updates skipped in a row (non-finite loss or gradient) that stop a run
 # -----------------------------------------------------------------------------
 
@@ -362,6 +366,7 @@ class Policy:
     save_dtype: torch.dtype = torch.float32   # dtype of the checkpoint we loaded (for save_hf)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     nonfinite: int = 0                        # updates skipped in a row (non-finite loss or grad)
+    shared_prompts: bool = True               # token_logprobs' path (prompt_pass)
 
 
 def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
@@ -408,11 +413,23 @@ def reset_optimizer(policy: Policy, *, lr: float, warmup_steps: int, total_steps
                                                          _lr_lambda(warmup_steps, total_steps))
 
 
+def prompt_pass(choice: str, device_type: str) -> bool:
+    """Does token_logprobs run each distinct prompt once and share its keys and values ("shared"),
+    or one causal pass over each row's prompt + completion ("single")? "auto": what was measured to
+    pay on this kind of device (SHARED_PROMPTS_BY_DEVICE)."""
+    if choice == "auto":
+        return SHARED_PROMPTS_BY_DEVICE.get(device_type, False)
+    if choice not in ("shared", "single"):
+        raise ValueError(f"prompt pass {choice!r}: auto, shared or single")
+    return choice == "shared"
+
+
 def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: int,
                 kl_coef: float = 0.001, grad_clip: float = 1.0,
-                activation_checkpointing: bool = False) -> Policy:
+                activation_checkpointing: bool = False, prompts: str = "auto") -> Policy:
     """The model in HF folder `path`, sharded over mesh, with AdamW and, if kl_coef > 0, a frozen
-    copy of it as the KL reference (METHOD.md "Hyperparameters": KL to the start model)."""
+    copy of it as the KL reference (METHOD.md "Hyperparameters": KL to the start model). `prompts`:
+    token_logprobs' forward path (prompt_pass)."""
     model = _load_sharded(path, mesh, True, activation_checkpointing)
     ref = _load_sharded(path, mesh, False) if kl_coef > 0 else None
     cfg_dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
@@ -420,6 +437,7 @@ def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: i
                     cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32,
                     torch.device(mesh.device_type, torch.cuda.current_device())
                     if mesh.device_type == "cuda" else torch.device("cpu"))
+    policy.shared_prompts = prompt_pass(prompts, mesh.device_type)
     reset_optimizer(policy, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps)
     return policy
 
@@ -468,14 +486,29 @@ def _pad(rows: list[list[int]], dev):
 
 
 def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
-                   temperature: float = 1.0, dev="cpu"):
+                   temperature: float = 1.0, dev="cpu", shared: bool = True):
     """log p(c_t | prompt, c_<t) of every completion token, [rows, longest completion], fp32, of
     the logits / temperature (the distribution vLLM samples from at that temperature), and the
-    mask of real tokens. Each distinct prompt runs once, its keys and values shared by the rows
-    that continue it (METHOD.md "RLOO loss"). The full [tokens, vocab] logits never exist (3B, 16k
-    tokens x 128k vocab: 8 GB in fp32, kept by autograd): the head runs on chunks of positions,
-    each recomputed in backward (checkpoint), its weight read after the forward (lm_head returns
-    its input): FSDP2 keeps the root's parameters gathered until backward."""
+    mask of real tokens (METHOD.md "RLOO loss"). `shared`: each distinct prompt runs once, its keys
+    and values shared by the rows that continue it; else one causal pass per row. The full [tokens,
+    vocab] logits never exist (3B, 16k tokens x 128k vocab: 8 GB in fp32, kept by autograd): the
+    head runs on chunks of positions, each recomputed in backward (checkpoint), its weight read
+    after the forward (lm_head returns its input): FSDP2 keeps the root's parameters gathered until
+    backward."""
+    if shared:
+        hidden, c_ids, c_attn = _hidden_shared(model, prompts, completions, dev)
+    else:
+        hidden, c_ids, c_attn = _hidden_single(model, prompts, completions, dev)
+    step = max(1, LOGIT_CHUNK_TOKENS // len(completions))
+    weight = model.lm_head.weight
+    return torch.cat([checkpoint(_head_logprobs, hidden[:, i:i + step], weight,
+                                 c_ids[:, i:i + step], temperature, use_reentrant=False)
+                      for i in range(0, hidden.shape[1], step)], 1), c_attn.float()
+
+
+def _hidden_shared(model, prompts, completions, dev):
+    """the last hidden states that predict each completion token, [rows, longest completion, d]:
+    the distinct prompts in one pass, then the completions attending to their prompt's cache"""
     distinct = {}
     which = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts],
                          device=dev)
@@ -490,11 +523,19 @@ def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]]
               position_ids=P[:, None] + torch.arange(c_ids.shape[1], device=dev),
               past_key_values=cache, use_cache=False).logits
     hidden = torch.cat([h_prompt[which, P - 1, None], h[:, :-1]], 1)   # position t predicts c_t
-    step = max(1, LOGIT_CHUNK_TOKENS // len(completions))
-    weight = model.lm_head.weight
-    return torch.cat([checkpoint(_head_logprobs, hidden[:, i:i + step], weight,
-                                 c_ids[:, i:i + step], temperature, use_reentrant=False)
-                      for i in range(0, hidden.shape[1], step)], 1), c_attn.float()
+    return hidden, c_ids, c_attn
+
+
+def _hidden_single(model, prompts, completions, dev):
+    """the same as _hidden_shared, from one causal pass over each row's prompt + completion"""
+    ids, attn = _pad([p + c for p, c in zip(prompts, completions)], dev)
+    c_ids, c_attn = _pad(completions, dev)
+    h = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    P = torch.tensor([len(p) for p in prompts], device=dev)
+    # position P - 1 + t predicts c_t; past a row's end, any position (masked)
+    at = (P[:, None] - 1 + torch.arange(c_ids.shape[1], device=dev)).clamp(max=h.shape[1] - 1)
+    hidden = h.gather(1, at[..., None].expand(-1, -1, h.shape[-1]))
+    return hidden, c_ids, c_attn
 
 
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -551,11 +592,12 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
     batches += [[]] * (int(n_mb.item()) - len(batches))
     for rows in batches:   # a dummy ([]): one prompt token, an empty completion (mask 0)
         batch = ([prompt_ids[i] for i in rows] or [[0]], [completion_ids[i] for i in rows] or [[]])
-        logp, mask = token_logprobs(policy.model, *batch, temperature, dev)
+        logp, mask = token_logprobs(policy.model, *batch, temperature, dev, policy.shared_prompts)
         ref_logp = None
         if policy.ref is not None:
             with torch.no_grad():
-                ref_logp = token_logprobs(policy.ref, *batch, temperature, dev)[0]
+                ref_logp = token_logprobs(policy.ref, *batch, temperature, dev,
+                                          policy.shared_prompts)[0]
             reshard(policy.ref)   # else its root (embeddings, head) stays gathered (0.7 GiB)
         adv = torch.tensor([[advantages[i]] for i in rows] or [[0.0]], device=dev)
         total, pg, kl = loss(logp, ref_logp, adv, mask, policy.kl_coef)

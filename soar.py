@@ -45,7 +45,8 @@ class Config:
     model: str = launch.flag("",
         'base model (teacher and students start here); "" = built-in world')
     world: str = launch.flag("default",
-        "the built-in world without --model: default, or small (the tests')")
+        "the built-in world without --model: default, or small (the tests')",
+        choices=("default", "small"))
     train: str = launch.flag("",
         "hard train split (jsonl/parquet, question/answer); \"\" = world's")
     out: str = launch.flag("runs/soar", "output folder; rerunning on it resumes")
@@ -59,7 +60,9 @@ class Config:
     qr_size: int = launch.flag(64, "M = |Q_R|: hard train questions per step")
     tau: float = launch.flag(0.01, "promotion threshold on the moving average")
     window: int = launch.flag(3, "w: moving-average window", least=1)
-    reward: str = launch.flag("grounded", "grounded (SOAR), learnability (Intrinsic-T) or opensir")
+    reward: str = launch.flag("grounded", "the teacher's reward (TEACHER_REWARDS): grounded "
+        "(SOAR), learnability (Intrinsic-T) or opensir", choices=("grounded", "learnability",
+                                                                  "opensir"))
     learnability_samples: int = launch.flag(32,
         "learnability, opensir: samples per question for its solve rate", least=1)
     max_rejection_rounds: int = launch.flag(8,
@@ -85,6 +88,10 @@ class Config:
         "G; 0 = as many as fit (a divisor of the ranks, <= g*r)", least=0)
     micro_batch_tokens: int = launch.flag(16384,
         "tokens per forward/backward pass (rows x longest row)")
+    prompt_pass: str = launch.flag("auto",
+        "training forward: shared (each distinct prompt once), single (one causal pass per row) "
+        "or auto (rloo.SHARED_PROMPTS_BY_DEVICE: shared on CPU, single on GPU)",
+        choices=("auto", "shared", "single"))
     activation_checkpointing: bool = launch.flag(True,
         "recompute activations: a 3B student fits beside vLLM")
     gpu_memory_utilization: float = launch.flag(0.3, "the vLLM engine's share of GPU memory")
@@ -107,7 +114,7 @@ TEACHER_FILTER = ("the format filter at step {step}: the teacher no longer write
                   "--max_rejection_rounds or check the model)")
 OUTPUTS = ("metrics.jsonl", "pq.jsonl", "questions.jsonl")   # the rows a step commits (commit_step)
 # settings a resumed run may change without invalidating its checkpoint
-MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpointing",
+MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpointing", "prompt_pass",
               "gpu_memory_utilization", "save_every", "verbose", "wandb", "wandb_name"}
 
 
@@ -457,12 +464,10 @@ def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
     students = cfg.num_datasets * cfg.students
     G = student_groups(cfg, world_size)
     checks = [
-        (cfg.reward not in TEACHER_REWARDS,
-         f"--reward {cfg.reward}: one of {', '.join(TEACHER_REWARDS)}"),
         (cfg.num_datasets < 2, f"--num_datasets {cfg.num_datasets}: RLOO over datasets "
                                "needs g >= 2"),
-        (TEACHER_REWARDS.get(cfg.reward, TEACHER_REWARDS["grounded"]).promotes
-         and cfg.students < 1, f"--students {cfg.students}: need r >= 1 per dataset"),
+        (TEACHER_REWARDS[cfg.reward].promotes and cfg.students < 1,
+         f"--students {cfg.students}: need r >= 1 per dataset"),
         (not 1 <= cfg.qr_size <= n_hard, f"--qr_size {cfg.qr_size}: each step samples "
                                          f"M={cfg.qr_size} questions from {cfg.train}, "
                                          f"which has {n_hard}"),
@@ -525,10 +530,12 @@ def load_models(cfg: Config, device, world_size: int, tok, seq_len: int, hard: l
                             gpu_memory_utilization=cfg.gpu_memory_utilization)
     teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr, kl_coef=cfg.kl_coef,
                                total_steps=cfg.outer_steps, warmup_steps=cfg.teacher_warmup,
-                               activation_checkpointing=cfg.activation_checkpointing)
+                               activation_checkpointing=cfg.activation_checkpointing,
+                               prompts=cfg.prompt_pass)
     student = rloo.load_policy(cfg.model, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0,
                                total_steps=1, kl_coef=cfg.kl_coef,
-                               activation_checkpointing=cfg.activation_checkpointing)
+                               activation_checkpointing=cfg.activation_checkpointing,
+                               prompts=cfg.prompt_pass)
     if ckpt:
         rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
         rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta

@@ -1,5 +1,4 @@
-"""
-The built-in small world: a problem family, a tiny Llama and its tokenizer, and the hard
+"""The built-in small world: a problem family, a tiny Llama and its tokenizer, and the hard
 problems it fails at (fail@128), all made here on CPU, so that the default run and the tests
 need no GPU and no hub.
 
@@ -10,11 +9,11 @@ four steps ("Tom has 12 apples. He gives away 3, then finds 2. How many apples d
 solved left to right, one equation per step ("12 - 3 = 9. 9 + 2 = 11. The final answer is:
 \\boxed{11}."). The tiny model is trained on SOAR's two formats:
   * teacher mode (replies to the teacher prompt through the chat template): it works a problem out
-    first, outside the tags as the prompt allows, then poses it, so its answers are right (~97%);
+    first, outside the tags as the prompt allows, then poses it, so its answers are right;
   * student mode (solutions after the student prompt): right on bare problems and on "gets x more"
     steps, but it misreads "gives away x" and "finds x" steps (the training solutions add what is
     given away and take away what is found 80% of the time, a confusion between the verbs).
-So the student solves one-step "gives away" problems ~25% of the time and four-step ones never: the
+So the student solves one-step "gives away" problems some of the time and four-step ones never: the
 hard set (fail@128 over four-step "gives away" problems) needs a reading that the easy problems
 teach (a student trained by RL on one-step "gives away" problems reads the verb right, and its
 greedy answers to the four-step ones turn right), and writing those easy problems takes no skill the
@@ -23,8 +22,7 @@ learnable for the student, and useless for the hard set.
 
 The build is reproducible: it pins threads and kernels in its own processes (PINNED_ENV), trains
 with a fixed data order and seed, samples with fixed seeds, and prints a fingerprint of the hard
-set. Candidates are drawn in batches until each half holds `need` problems (the defaults' Q_R).
-"""
+set (candidates are drawn in batches until each half holds the recipe's `need` problems)."""
 import argparse
 import dataclasses
 import hashlib
@@ -37,15 +35,14 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import data  # the only import at the top: data.grade's workers re-import the main script, so torch
              # and vllm stay inside the functions that need them
 
 # -----------------------------------------------------------------------------
-# the problem family: small additions and subtractions, bare ("What is 12 - 3?") or as word problems
-# of one to three steps ("Tom has 12 apples. Tom gives away 3, then gets 2 more. How many apples
-# does Tom have now?"). kind "add" / "sub": bare, level 1; kind "word": level = its steps' signs
-# ("+", "-+", ...). Solutions work the steps out left to right, one equation each.
+# the problem family (the docstring above): kind "add" / "sub": bare, level 1; kind "word": level =
+# its steps' signs ("+", "-+", ...); solutions work the steps out left to right, one equation each
 START = (6, 20)             # a word problem's start; bare: the first number
 STEP = (1, 5)               # every number added or taken away
 KINDS = {"add": dict(template="What is {a} + {b}?"), "sub": dict(template="What is {a} - {b}?"),
@@ -54,7 +51,7 @@ VERBS = {"+": "gets {x} more", "-": "gives away {x}", "f": "finds {x}"}   # "f":
 
 # tokenizer: byte-level BPE, digits always single tokens (so numbers of any size are spelled alike)
 SPECIAL = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
-VOCAB_SIZE = 1024           # an upper bound: the corpus saturates near 600
+VOCAB_SIZE = 1024           # an upper bound: the corpus needs fewer
 # no bos_token in the template and none added by the tokenizer: the same ids whether a caller
 # tokenizes with or without special tokens, in training and in vLLM
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
@@ -90,7 +87,7 @@ RECIPES = {
         probe=[("add", 1), ("sub", 1), ("word", "+"), ("word", "-"), ("word", "f"), ("word", "++"),
                ("word", "--"), ("word", "+-+"), ("word", "ff"), ("word", "---"), ("word", "++++"),
                ("word", "----")]),
-    "small": dict(   # the tests': formats and plumbing, not skill (150 steps: 78% valid pairs)
+    "small": dict(   # the tests': formats and plumbing, not skill
         model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2,
                    num_attention_heads=2, num_key_value_heads=2, head_dim=64,
                    max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -124,8 +121,7 @@ PRESET = dict(
 
 
 def make_problem(rng: random.Random, kind: str, level, steps=(1, 1, 1)) -> dict:
-    """a problem of the family (see KINDS); every partial result is >= 1; the answer is the plain
-    integer."""
+    """a problem of the family (KINDS): every partial result >= 1, the answer a plain integer"""
     while True:
         a = rng.randint(*START)
         signs = "+" if kind == "add" else "-" if kind == "sub" else level
@@ -148,7 +144,7 @@ def make_problem(rng: random.Random, kind: str, level, steps=(1, 1, 1)) -> dict:
 
 def working(p: dict, misread=()) -> str:
     """the steps, left to right: 'a - x = b. b + y = c.'; `misread` steps add what they take away"""
-    out, v = [], p["start"]
+    out, v = [], p["start"]   # the equations so far, the value they reach
     for i, (s, x) in enumerate(zip(p["signs"], p["xs"])):
         s = "-" if s == "-" else "+"            # "finds" adds
         if i in misread:
@@ -181,7 +177,7 @@ _VERB = re.compile(r"^(?:gets (\d+) more|gives away (\d+)|finds (\d+))$")
 
 def classify(question: str) -> dict | None:
     """A question of the family, read back: kind, level, and the true answer; None for anything else
-    (what the teacher writes is measured with this, never executed)."""
+    (what the teacher writes is read with this, never executed)."""
     q = question.strip()
     m = _BARE.match(q)
     if m:
@@ -191,7 +187,7 @@ def classify(question: str) -> dict | None:
     m = _WORD.match(q)
     if not m:
         return None
-    v, signs = int(m[1]), ""
+    v, signs = int(m[1]), ""   # the value so far, the signs of the steps read
     for part in m[2].split(", then "):
         st = _VERB.match(part)
         if not st:
@@ -216,15 +212,15 @@ def describe(question: str, answer: str | None = None) -> dict:
         return dict(well_posed=False, kind=None, steps=0, gives_away=0, category=CATEGORIES[0],
                     correct=False)
     word = c["kind"] == "word"
-    steps, away = (len(c["level"]), c["level"].count("-")) if word else (1, 0)
+    steps = len(c["level"]) if word else 1
+    away = c["level"].count("-") if word else 0
     category = CATEGORIES[1] if not word else CATEGORIES[3] if away else CATEGORIES[2]
     return dict(well_posed=True, kind=c["kind"], steps=steps, gives_away=away, category=category,
                 correct=answer is not None and answer.strip() == c["answer"])
 
 
 def draw(rng: random.Random, mix: list, steps=(1, 1, 1)) -> dict:
-    """a problem from a mix [(kind, level, weight), ...]; steps: weights of "+", "-", "f" in "?n"
-    levels"""
+    """a problem from a mix [(kind, level, weight), ...]; steps: weights of "+-f" in "?n" levels"""
     kind, level, _ = rng.choices(mix, weights=[w for *_, w in mix])[0]
     return make_problem(rng, kind, level, steps)
 
@@ -370,7 +366,8 @@ def teacher_profile(texts: list[str]) -> dict:
     gets, "-" gives away, "f" finds) the share of valid pairs that have one."""
     pairs = data.parse_teacher_batch(texts)
     valid = [p for p in pairs if p is not None]
-    per, steps = {}, {"+": 0, "-": 0, "f": 0}
+    per = {}   # kind and level -> (valid pairs, right answers)
+    steps = {"+": 0, "-": 0, "f": 0}
     for q, a in valid:
         c = classify(q)
         key = f"{c['kind']}{c['level']}" if c else "other"
@@ -412,7 +409,9 @@ def measure(model_dir: str, r: dict, seed: int, log=print) -> tuple[dict, list[d
         c = _correct_counts(llm, probs, n=r["level_samples"], seed=seed + 1000 * i)
         sampled[f"{kind}{lv}"] = sum(c) / (len(probs) * r["level_samples"])
     log("student: sampled accuracy (T=1) " + ", ".join(f"{k} {a:.1%}" for k, a in sampled.items()))
-    candidates, counts, seen = [], [], set()
+    candidates = []
+    counts = []   # per candidate: correct samples of r["k"]
+    seen = set()
     crng = random.Random(seed + 3)
     while sum(c == 0 for c in counts) < 2 * r["need"]:
         if len(candidates) >= r["max_candidates"]:
@@ -470,17 +469,13 @@ def _build_here(out: str, r: dict, seed: int, key: str = "", small: bool = False
     train, test = data.split_train_test(hard, seed)
     data.write_jsonl(paths["train"], train)
     data.write_jsonl(paths["test"], test)
-    kinds = {}
-    for p, c in zip(candidates, counts):
-        if c == 0:
-            kinds[f"{p['kind']}{p['level']}"] = kinds.get(f"{p['kind']}{p['level']}", 0) + 1
+    kinds = Counter(f"{p['kind']}{p['level']}" for p, c in zip(candidates, counts) if c == 0)
     stats.update(key=key, small=small, seed=seed, recipe=r, params=_param_count(paths["model"]),
                  vocab=len(tok), candidates=len(candidates), hard=len(hard),
                  hard_by_kind=dict(sorted(kinds.items())), train=len(train), test=len(test),
                  fingerprint=fingerprint(train, test), candidate_correct_counts=counts,
                  train_seconds=round(train_s, 1), build_seconds=round(time.time() - t0, 1))
-    with open(paths["stats"], "w") as f:
-        json.dump(stats, f, indent=1)
+    data.write_json(paths["stats"], stats)
 
 
 def _param_count(model_dir: str) -> int:
@@ -526,26 +521,15 @@ def build_world(out_dir: str | None = None, small: bool = False, seed: int = 0) 
                 raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    with open(paths["stats"]) as f:
-        stats = json.load(f)
+    stats = data.read_json(paths["stats"])
     if stats["key"] != key:
         raise ValueError(f"{out} holds a world built with other settings "
                          f"(key {stats['key']}, want {key})")
     return paths
 
 
-def build_world_all_ranks(small: bool = False) -> dict:
-    """build_world from every rank of a torch.distributed job: rank 0 builds it (or finds it built)
-    while the others wait, then they reuse it."""
-    import torch.distributed as dist
-    paths = build_world(small=small) if dist.get_rank() == 0 else None
-    dist.barrier()
-    return paths or build_world(small=small)
-
-
 def summary(paths: dict) -> str:
-    with open(paths["stats"]) as f:
-        st = json.load(f)
+    st = data.read_json(paths["stats"])
     t = st["teacher"]
     return "\n".join([
         f"world: {paths['model']}  ({st['params'] / 1e6:.2f} M parameters, vocab {st['vocab']})",
@@ -567,8 +551,11 @@ def resolve(cfg):
     if cfg.model:
         return cfg
     import rloo
+    import torch.distributed as dist
     rloo.init_distributed()
-    paths = build_world_all_ranks(small=cfg.world == "small")
+    paths = build_world(small=cfg.world == "small") if dist.get_rank() == 0 else None
+    dist.barrier()   # the others reuse what rank 0 built (or found built)
+    paths = paths or build_world(small=cfg.world == "small")
     if rloo.rank0():
         st = data.read_json(paths["stats"])
         print(f"built-in world ({cfg.world}): fingerprint {st['fingerprint']}, "
@@ -589,9 +576,8 @@ def main():
     a = p.parse_args()
     if a.here:   # build_world's child: it must not outlive the process that waits for it
         data.die_with_parent()
-        name = "small" if a.small else "default"
-        return _build_here(a.out, RECIPES[name], a.seed, key=build_key(a.small, a.seed),
-                           small=a.small)
+        return _build_here(a.out, RECIPES["small" if a.small else "default"], a.seed,
+                           key=build_key(a.small, a.seed), small=a.small)
     print(summary(build_world(a.out, a.small, a.seed)))
 
 

@@ -9,6 +9,11 @@ model-FLOP utilisation. A random model of the chosen shape is written first (no 
     python bench/bench_rloo.py --shape llama3b --train-only
         # the training half alone, no vLLM needed: on one GPU, with the engine's share of its memory
         # (--gpu-memory-utilization) held back, as in a real run
+    python bench/bench_rloo.py --shape llama3b --train-only --profile --memory
+        # and the top kernels over two micro-batches, and where the peak memory goes
+
+Both forward paths of token_logprobs (shared prompts, one causal pass per row: rloo.prompt_pass)
+run in turn on the same batch unless --prompt_pass names one; bench/h200.sh runs the GPU checks.
 
 MFU counts 6*N*tokens for the policy forward+backward and 2*N*tokens for the reference
 forward (N = all parameters, lm_head counted once when tied; attention FLOPs and activation
@@ -20,10 +25,13 @@ import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.distributed.device_mesh import init_device_mesh
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import launch  # noqa: E402
@@ -43,12 +51,16 @@ DEFAULTS = {  # rollouts, prompt tokens, completion tokens, micro-batch tokens, 
 
 
 def make_model(path, shape, dev):
-    """random weights + a WordLevel tokenizer covering every id (so any sampled id decodes)"""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    """random weights + a WordLevel tokenizer covering every id (so any sampled id decodes); a
+    folder that holds the same model already is reused. Returns the parameter count."""
     cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True,
                       bos_token_id=0, eos_token_id=1,
                       dtype="bfloat16" if dev.type == "cuda" else "float32")
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+    stamp = os.path.join(path, "bench.json")
+    if os.path.exists(stamp) and open(stamp).read() == cfg.to_json_string():
+        return n_params
     vocab = {f"w{i}": i for i in range(cfg.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -57,7 +69,9 @@ def make_model(path, shape, dev):
     with torch.device(dev):   # init on the GPU when there is one: seconds instead of minutes
         model = LlamaForCausalLM(cfg)
     model.to(torch.bfloat16 if dev.type == "cuda" else torch.float32).save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
+    with open(stamp, "w") as f:
+        f.write(cfg.to_json_string())
+    return n_params
 
 
 def peak_mem_gib(dev):
@@ -103,16 +117,126 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--train_only", "--train-only", action="store_true",
                     help="no vLLM: the train step alone (the engine's share of GPU memory is held "
                     "back all the same)")
+    ap.add_argument("--prompt_pass", "--prompt-pass", default="both",
+                    choices=("both", "auto", "shared", "single"),
+                    help="token_logprobs' forward path(s) to time (rloo.prompt_pass); both: each "
+                    "in turn on the same batch, in one run")
+    ap.add_argument("--profile", action="store_true",
+                    help="also a torch.profiler table of the top kernels over two micro-batches")
+    ap.add_argument("--memory", action="store_true",
+                    help="also where the peak memory goes (torch.cuda.memory_stats), and a memory "
+                    "snapshot of one step in --workdir (GPU)")
     ap.add_argument("--workdir", default="/tmp/bench_rloo")
     return ap
 
 
+@dataclass
+class Batch:
+    """the train step's rows: this rank's share of rollouts x (prompt + completion) tokens"""
+    prompts: list
+    completions: list
+    advantages: list
+    prompt_len: int
+    gen_len: int
+    micro_batch_tokens: int
+    rollouts: int
+
+
+def make_batch(args, vocab: int, rank: int, world: int) -> tuple[Batch, list]:
+    """a fixed batch (seeded): `samples` rollouts per prompt, fixed-length completions; and the
+    distinct prompts (for generation)"""
+    rollouts, plen, glen, mbt, _ = DEFAULTS[args.shape]
+    rollouts = args.rollouts or rollouts
+    plen = args.prompt_len or plen
+    glen = args.gen_len or glen
+    mbt = args.micro_batch_tokens or mbt
+    g = torch.Generator().manual_seed(0)
+    n_prompts = max(1, rollouts // args.samples)
+    prompts = [torch.randint(2, vocab, (plen,), generator=g).tolist() for _ in range(n_prompts)]
+    comps = [torch.randint(2, vocab, (glen,), generator=g).tolist() for _ in range(rollouts)]
+    prm = [prompts[i // args.samples % n_prompts] for i in range(rollouts)]   # by question
+    adv = torch.randn(rollouts, generator=g).tolist()
+    lo, hi = rloo.chunk(rollouts, rank, world)
+    return Batch(prm[lo:hi], comps[lo:hi], adv[lo:hi], plen, glen, mbt, rollouts), prompts
+
+
+def tokens_run(batch: Batch, shared: bool, world: int) -> int:
+    """the tokens through the model in one step over all ranks: with shared prompts each
+    micro-batch runs its distinct prompts once (every rank holds an equal share here)"""
+    per_rank = 0
+    for mb in rloo._micro_batches([batch.prompt_len + batch.gen_len] * len(batch.prompts),
+                                  batch.micro_batch_tokens):
+        distinct = len({tuple(batch.prompts[i]) for i in mb}) if shared else len(mb)
+        per_rank += len(mb) * batch.gen_len + distinct * batch.prompt_len
+    return per_rank * world
+
+
+def train_step(pol, batch: Batch, rows: int | None = None) -> dict:
+    n = rows or len(batch.prompts)
+    return rloo.train_step(pol, batch.prompts[:n], batch.completions[:n], batch.advantages[:n],
+                           loss=rloo.rloo_loss, temperature=1.0,
+                           micro_batch_tokens=batch.micro_batch_tokens)
+
+
+def time_pass(pol, batch: Batch, shared: bool, dev) -> dict:
+    """one warm-up step, then one timed step with token_logprobs' `shared` path: seconds and the
+    peak memory of the timed step (max over ranks)"""
+    pol.shared_prompts = shared
+    timed(lambda: train_step(pol, batch), dev)   # warm-up (allocator, optimizer state)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    stats, seconds = timed(lambda: train_step(pol, batch), dev)
+    mem = torch.tensor([peak_mem_gib(dev)], device=dev)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    return dict(stats=stats, seconds=seconds, peak_gib=mem.item())
+
+
+def memory_report(pol, batch: Batch, dev, workdir: str) -> None:
+    """(GPU) what the memory holds before a step (weights, reference, AdamW, the engine's share)
+    and at its peak, from torch.cuda.memory_stats; a snapshot of one step for the memory viz"""
+    if dev.type != "cuda":
+        print("memory: --memory needs a GPU")
+        return
+    torch.cuda.synchronize()
+    resting = torch.cuda.memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+    train_step(pol, batch)
+    torch.cuda.synchronize()
+    path = os.path.join(workdir, f"memory-rank{dist.get_rank()}.pickle")
+    torch.cuda.memory._dump_snapshot(path)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    st = torch.cuda.memory_stats()
+    gib = {k: st[k] / 2**30 for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak",
+                                      "active_bytes.large_pool.peak",
+                                      "inactive_split_bytes.all.peak")}
+    print(f"memory: {resting:.2f} GiB allocated between steps (weights, reference, AdamW, held "
+          f"engine share); peak in a step {gib['allocated_bytes.all.peak']:.2f} GiB allocated "
+          f"({gib['allocated_bytes.all.peak'] - resting:.2f} GiB above it), "
+          f"{gib['reserved_bytes.all.peak']:.2f} GiB reserved, "
+          f"{gib['inactive_split_bytes.all.peak']:.2f} GiB of inactive splits (fragmentation), "
+          f"{st['num_alloc_retries']} allocation retries; snapshot {path} "
+          "(https://pytorch.org/memory_viz)")
+
+
+def profile_report(pol, batch: Batch, dev) -> None:
+    """the top kernels by device time (CPU: by CPU time) over a step of two micro-batches"""
+    from torch.profiler import ProfilerActivity, profile   # (only with --profile)
+    rows_per_mb = max(1, batch.micro_batch_tokens // (batch.prompt_len + batch.gen_len))
+    rows = min(len(batch.prompts), 2 * rows_per_mb)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        timed(lambda: train_step(pol, batch, rows), dev)
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    if dist.get_rank() == 0:
+        print(f"profile: one step of {rows} rows (2 micro-batches), shared prompts "
+              f"{pol.shared_prompts}, top 15 by {key}")
+        print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+
+
 def main():
     args = parser().parse_args()
-    rollouts, plen, glen, mbt, ac = DEFAULTS[args.shape]
-    rollouts, plen, glen = args.rollouts or rollouts, args.prompt_len or plen, args.gen_len or glen
-    mbt, ac = args.micro_batch_tokens or mbt, ac and not args.no_activation_checkpointing
-
+    ac = DEFAULTS[args.shape][4] and not args.no_activation_checkpointing
     rank, world, dev = rloo.init_distributed()
     peak_measured = matmul_tflops(dev)
     path = os.path.join(args.workdir, args.shape)
@@ -120,76 +244,82 @@ def main():
     if dev.type == "cuda":
         torch.cuda.empty_cache()   # vLLM sizes its KV cache from the memory still free
     dist.barrier()
-    g = torch.Generator().manual_seed(0)
-    vocab = SHAPES[args.shape]["vocab_size"]
-    n_prompts = max(1, rollouts // args.samples)
-    prompts = [torch.randint(2, vocab, (plen,), generator=g).tolist() for _ in range(n_prompts)]
-    if args.train_only:
-        llm, held = None, None
-        if dev.type == "cuda":   # what the engine would take: the trainer gets the rest
-            free, total = torch.cuda.mem_get_info()
-            held = torch.empty(int(args.gpu_memory_utilization * total),  # noqa: F841 (kept alive)
-                               dtype=torch.uint8, device=dev)
-    else:
-        llm = rloo.build_engine(path, max_model_len=plen + glen + 8,
+    batch, prompts = make_batch(args, SHAPES[args.shape]["vocab_size"], rank, world)
+    llm = None
+    held = None
+    gen = None
+    if not args.train_only:
+        llm = rloo.build_engine(path, max_model_len=batch.prompt_len + batch.gen_len + 8,
                                 gpu_memory_utilization=args.gpu_memory_utilization)
-        # generation: every rank generates its share of the prompts, results gathered everywhere
-        rloo.generate(llm, prompts[:1], n=2, max_tokens=4, seed=0)   # warm-up
-        outs, t_gen = timed(lambda: rloo.generate(llm, prompts, n=args.samples, max_tokens=glen,
-                                                  seed=1, group=dist.group.WORLD), dev)
-        gen_tokens = sum(len(s.token_ids) for o in outs for s in o)
+        gen = time_generation(llm, prompts, args.samples, batch.gen_len, dev)
+    elif dev.type == "cuda":   # what the engine would take: the trainer gets the rest
+        free, total = torch.cuda.mem_get_info()
+        held = torch.empty(int(args.gpu_memory_utilization * total), dtype=torch.uint8,
+                           device=dev)
     mesh = init_device_mesh(dev.type, (world,))
     pol = rloo.load_policy(path, mesh, lr=1e-5, warmup_steps=0, total_steps=100, kl_coef=0.001,
                            activation_checkpointing=ac)
-
-    # training: fixed-length completions (as many as rollouts), this rank's contiguous share
-    comps = [torch.randint(2, vocab, (glen,), generator=g).tolist() for _ in range(rollouts)]
-    prm = [prompts[i // args.samples % n_prompts] for i in range(rollouts)]   # by question
-    adv = torch.randn(rollouts, generator=g).tolist()
-    lo, hi = rloo.chunk(rollouts, rank, world)
-    step = lambda: rloo.train_step(pol, prm[lo:hi], comps[lo:hi], adv[lo:hi],  # noqa: E731
-                                   loss=rloo.rloo_loss, temperature=1.0, micro_batch_tokens=mbt)
-    timed(step, dev)   # warm-up (allocator, optimizer state)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    stats, t_train = timed(step, dev)
-    mem = torch.tensor([peak_mem_gib(dev)], device=dev)
-    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    passes = ["shared", "single"] if args.prompt_pass == "both" else [args.prompt_pass]
+    results = {p: time_pass(pol, batch, rloo.prompt_pass(p, dev.type), dev) for p in passes}
     t_sync = None if llm is None else timed(lambda: rloo.sync_weights(pol, llm), dev)[1]
-
     if rank == 0:
-        seq_tokens = rollouts * (plen + glen)
-        # the tokens through the model: each micro-batch runs its distinct prompts once
-        run = sum(len(mb) * glen + len({tuple(prm[lo + i]) for i in mb}) * plen
-                  for r in range(world) for lo, hi in [rloo.chunk(rollouts, r, world)]
-                  for mb in rloo._micro_batches([plen + glen] * (hi - lo), mbt))
-        flops = 8 * n_params * run              # 6N train + 2N reference
-        achieved = flops / t_train / world / 1e12
-        spec = launch.peak_flops()
         print(f"shape {args.shape}: {n_params / 1e6:.1f} M params, {world} rank(s) on "
               f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, "
-              f"activation checkpointing {ac}, micro-batch {mbt} tokens")
-        if llm is not None:
-            print(f"generation: {len(prompts)} prompts x {args.samples} samples, "
-                  f"{gen_tokens} new tokens in {t_gen:.2f} s = {gen_tokens / t_gen:,.0f} tokens/s "
-                  f"({gen_tokens / t_gen / world:,.0f} per rank)")
-        print(f"train step: {rollouts} rollouts x ({plen} + {glen}) tokens in {t_train:.2f} s = "
-              f"{seq_tokens / t_train:,.0f} tokens/s ({stats['tokens'] / t_train:,.0f} completion "
-              f"tokens/s; {run / t_train:,.0f} run, each micro-batch's distinct prompts once); "
-              f"{achieved:.3g} TFLOP/s per rank (8N per token run)" +
-              (f", MFU {achieved / peak_measured:.1%} of the {peak_measured:.0f} TFLOP/s bf16 "
-               f"matmul measured now" if peak_measured else "") +
-              (f", {achieved * 1e12 / spec:.1%} of the spec sheet's {spec / 1e12:.0f}"
-               if spec else ""))
+              f"activation checkpointing {ac}, micro-batch {batch.micro_batch_tokens} tokens")
+        if gen:
+            print(gen)
+        for p, r in results.items():
+            print(train_line(p, r, batch, dev, world, n_params, peak_measured))
+        if len(results) == 2:
+            ratio = results["single"]["seconds"] / results["shared"]["seconds"]
+            print(f"single / shared step time: {ratio:.2f} (auto picks "
+                  f"{'shared' if rloo.prompt_pass('auto', dev.type) else 'single'} on {dev.type})")
         if t_sync is not None:
+            t_train = results[passes[0]]["seconds"]
             print(f"weight sync: {t_sync * 1000:.0f} ms = {t_sync / t_train:.1%} of a train step")
-        total = (torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda"
-                 else None)
-        print(f"peak memory: {mem.item():.2f} GiB per rank " + (
-            f"(torch.cuda.max_memory_allocated"
-            f"{', with the engine share held back' if args.train_only else ''}; "
-            f"the GPU has {total:.1f} GiB)" if total else "(process max RSS incl. engine)"))
+    chosen = args.prompt_pass if len(passes) == 1 else "auto"   # the path memory, profile see
+    pol.shared_prompts = rloo.prompt_pass(chosen, dev.type)
+    if args.memory:
+        memory_report(pol, batch, dev, args.workdir)
+    if args.profile:
+        profile_report(pol, batch, dev)
+    del held   # the engine's share of GPU memory, held back until here
     dist.barrier()
+
+
+def time_generation(llm, prompts: list, samples: int, gen_len: int, dev) -> str:
+    """every rank generates its share of the prompts, results gathered everywhere: the line"""
+    rloo.generate(llm, prompts[:1], n=2, max_tokens=4, seed=0)   # warm-up
+    outs, seconds = timed(lambda: rloo.generate(llm, prompts, n=samples, max_tokens=gen_len,
+                                                seed=1, group=dist.group.WORLD), dev)
+    n = sum(len(s.token_ids) for o in outs for s in o)
+    world = dist.get_world_size()
+    return (f"generation: {len(prompts)} prompts x {samples} samples, {n} new tokens in "
+            f"{seconds:.2f} s = {n / seconds:,.0f} tokens/s ({n / seconds / world:,.0f} per rank)")
+
+
+def train_line(name: str, r: dict, batch: Batch, dev, world: int, n_params: int,
+               peak_measured: float | None) -> str:
+    """a train step's time, throughput, MFU (8N per token run: 6N train + 2N reference) and peak"""
+    shared = name == "shared" or name == "auto" and rloo.prompt_pass("auto", dev.type)
+    run = tokens_run(batch, shared, world)
+    seq_tokens = batch.rollouts * (batch.prompt_len + batch.gen_len)
+    achieved = 8 * n_params * run / r["seconds"] / world / 1e12
+    spec = launch.peak_flops()
+    label = "shared prompts" if shared else "one pass per row"
+    line = (f"train step ({name}: {label}): {batch.rollouts} rollouts x ({batch.prompt_len} + "
+            f"{batch.gen_len}) tokens in {r['seconds']:.2f} s = {seq_tokens / r['seconds']:,.0f} "
+            f"tokens/s ({r['stats']['tokens'] / r['seconds']:,.0f} completion tokens/s; "
+            f"{run:,} tokens run); {achieved:.3g} TFLOP/s per rank")
+    if peak_measured:
+        line += f", MFU {achieved / peak_measured:.1%} of the {peak_measured:.0f} TFLOP/s measured"
+    if spec:
+        line += f", {achieved * 1e12 / spec:.1%} of the spec sheet's {spec / 1e12:.0f}"
+    if dev.type == "cuda":
+        line += f"; peak {r['peak_gib']:.2f} GiB per rank (max_memory_allocated)"
+    else:
+        line += f"; peak {r['peak_gib']:.2f} GiB (process max RSS, engine included)"
+    return line
 
 
 if __name__ == "__main__":

@@ -177,8 +177,15 @@ def main(out, base, ref):
                                      micro_batch_tokens=24)
     w_ac = full_weights(pol_ac.model)
     del pol_ac
+    # one causal pass per row instead of shared prompts: the same update
+    pol_single = with_ref(rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10,
+                                           kl_coef=kl_coef, prompts="single"), ref, mesh)
+    res["step_single"] = train_step(pol_single, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
+                                    micro_batch_tokens=24)
+    w_single = full_weights(pol_single.model)
+    del pol_single
     if rank == 0:
-        res["w1"], res["w_ac"] = w1, w_ac
+        res["w1"], res["w_ac"], res["w_single"] = w1, w_ac, w_single
         res["hand_value"], res["hand_w"] = hand_reference(base, ref, prompts, comps, adv, kl_coef,
                                                           lr, 1.0)
 

@@ -15,6 +15,7 @@ import pytest
 
 import data
 import eval as ev
+import launch
 from soar_runs import kill_all, wandb_history, wandb_records
 import rloo
 import world
@@ -326,7 +327,7 @@ def test_parse_args_world_defaults_and_paper_settings(tmp_path):
             ev.parse_args(bad)
     # fails fast, before any world or engine; --runs not ./runs, where rows the README's commands
     # finished are not run again and need no inputs
-    with pytest.raises(SystemExit, match="missing inputs"):
+    with pytest.raises(launch.UsageError, match="missing inputs"):
         ev.main(["row", "pq", "ps", "--soar", "/nonexistent", "--runs", str(tmp_path / "runs")])
 
 
@@ -334,7 +335,7 @@ def test_soar_output_of_another_base_model_is_refused(tmp_path):
     write(str(tmp_path / "soar" / "pq.jsonl"), {"question": "q", "answer": "1", "step": 0})
     write(str(tmp_path / "soar" / "ckpt" / "step-1" / "state.json"),
           {"step": 1, "config": {"model": "/other/model"}})
-    with pytest.raises(SystemExit, match="was run from /other/model"):
+    with pytest.raises(launch.UsageError, match="was run from /other/model"):
         ev.main(["row", "pq", "--model", str(tmp_path / "m"), "--train", "h", "--test", "t",
                  "--soar", str(tmp_path / "soar"), "--runs", str(tmp_path / "runs")])
 

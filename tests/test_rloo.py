@@ -105,6 +105,15 @@ def test_activation_checkpointing_same_update(runs):
         _close_updates(r["w1"], r["w_ac"], LR)
 
 
+def test_one_causal_pass_same_update(runs):
+    """token_logprobs' two paths (prompt_pass): shared prompts and one pass per row"""
+    for r in [runs["one"], runs["two"][0]]:
+        assert r["step_single"]["loss"] == pytest.approx(r["step"]["loss"], rel=1e-6)
+        _close_updates(r["w1"], r["w_single"], LR)
+    assert rloo.prompt_pass("auto", "cpu") and not rloo.prompt_pass("auto", "cuda")
+    assert rloo.prompt_pass("shared", "cuda") and not rloo.prompt_pass("single", "cpu")
+
+
 def test_weight_sync_exact(runs):
     for r in [runs["one"], *runs["two"]]:
         assert r["sync_err"] < 1e-4

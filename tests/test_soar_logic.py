@@ -1,4 +1,5 @@
 """Algorithm 1's decisions on hand-built reward tables (pure logic, no engine)."""
+import dataclasses
 import json
 
 import pytest
@@ -161,6 +162,8 @@ def test_parse_args_world_preset_and_overrides():
             paper.outer_steps, paper.tau) == (4, 64, 4, 64, 200, 0.01)
     with pytest.raises(SystemExit):
         soar.parse_args(["--reward", "vibes"])
+    reward = next(f for f in dataclasses.fields(Config) if f.name == "reward")
+    assert reward.metadata["choices"] == tuple(soar.TEACHER_REWARDS)   # --reward's are the table's
 
 
 def test_one_vocabulary_and_help(capsys, monkeypatch):
@@ -207,5 +210,6 @@ def test_wandb_that_cannot_start_is_one_line(monkeypatch, tmp_path):
     for k, v in (("WANDB_MODE", "online"), ("HOME", tmp_path), ("NETRC", tmp_path / "none")):
         monkeypatch.setenv(k, str(v))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    with pytest.raises(RuntimeError, match=r"^--wandb p: W&B did not start \(No API key.*offline$"):
+    with pytest.raises(launch.UsageError,
+                       match=r"^--wandb p: W&B did not start \(No API key.*offline$"):
         launch.tracker("p", "", str(tmp_path), {})
