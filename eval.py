@@ -91,6 +91,9 @@ class Config:
     big_group: int = launch.flag(128, "the group of the hard-only-128 row", least=2)
     student_questions: int = launch.flag(8, "questions per student step", least=1)
     kl_coef: float = launch.flag(0.001, "k3 KL to the model the run started from")
+    lora_rank: int = launch.flag(0,
+        "rank of the fresh students' adapters (METHOD.md \"LoRA\"); 0 = full fine-tuning", least=0)
+    lora_alpha: float = launch.flag(32.0, "adapters' scale: the update is (alpha / rank) B A")
     temperature: float = launch.flag(1.0, "sampling temperature (training, pass@k, filter)")
     student_max_tokens: int = launch.flag(1024,
         "new tokens per student completion (training, pass@k, filter)", least=1)
@@ -385,16 +388,22 @@ def eval_passk(llm, test: list[dict], cfg: Config, seed: int, key) -> dict:
     return {**mean_passk(counts, cfg.passk_samples), "solved": sum(c > 0 for c in counts)}
 
 
-def frozen(path: str, mesh):
-    """The model in HF folder `path` as a sharded policy, only to reach the engines through
-    rloo.sync_weights (the one exact sync path; the engine is built once, from --model)."""
-    return rloo.load_policy(path, mesh, lr=0.0, warmup_steps=0, total_steps=1, kl_coef=0.0)
+def serve(path: str, mesh, llm) -> None:
+    """The model in `path` into the engines: a PEFT adapter folder (a LoRA run's teacher/ or
+    student/) as an adapter on the engine's base, else an HF folder as a sharded policy, only to
+    reach the engines through rloo.sync_weights (the one exact sync path; the engine is built once,
+    from --model)."""
+    if rloo.adapter_rank(path):
+        rloo.serve_adapter(llm, path)
+    else:
+        policy = rloo.load_policy(path, mesh, lr=0.0, warmup_steps=0, total_steps=1, kl_coef=0.0)
+        rloo.sync_weights(policy, llm)
 
 
 def teacher_questions(path: str, cfg: Config, seed: int, llm, tok, mesh) -> list[dict]:
     """cfg.teacher_questions questions of the teacher in `path`, with SOAR's teacher prompt and
     format filter (METHOD.md "Evaluation protocol": same prompt and filter)."""
-    rloo.sync_weights(frozen(path, mesh), llm)
+    serve(path, mesh, llm)
     seeds = [launch.seed_of(seed, "eval", "teacher", i) for i in range(TEACHER_ROUNDS)]
     kept, _ = rloo.sample_until(llm, data.teacher_prompt(tok), need=cfg.teacher_questions,
                                 parse=data.parse_teacher_batch, round_seeds=seeds,
@@ -409,7 +418,7 @@ def teacher_questions(path: str, cfg: Config, seed: int, llm, tok, mesh) -> list
 def inference_run(cfg: Config, seed: int, method: str, path: str, llm, mesh, test,
                   out: str) -> dict:
     """base / ps rows: pass@k of the model in `path` on the test split, sampling seed `seed`."""
-    rloo.sync_weights(frozen(path, mesh), llm)
+    serve(path, mesh, llm)
     res = dict(method=method, test=cfg.test, seed=seed, model=path,
                passk={k: v for k, v in eval_passk(llm, test, cfg, seed, "inference").items()
                       if k.startswith("pass@")})
@@ -424,7 +433,9 @@ def fresh_student(cfg: Config, row: Row, mesh, out: str, config: dict):
     policy = rloo.load_policy(cfg.model, mesh, lr=cfg.student_lr, warmup_steps=warmup,
                               total_steps=cfg.student_steps, kl_coef=cfg.kl_coef if row.kl else 0.0,
                               activation_checkpointing=cfg.activation_checkpointing,
-                              prompts=cfg.prompt_pass)
+                              prompts=cfg.prompt_pass, lora_rank=cfg.lora_rank,
+                              lora_alpha=cfg.lora_alpha,
+                              seed=launch.seed_of(config["seed"], "adapter"))
     ckpt, state = launch.resume(out, config, MAY_CHANGE)
     if ckpt:
         rloo.load_state(policy, os.path.join(ckpt, "policy"))
@@ -524,10 +535,11 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
 # ---- commands that need the engines ----
 
 def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False,
-          engine_share: float | None = None):
+          engine_share: float | None = None, served=()):
     """mesh (one FSDP mesh over all ranks: the student is sharded over all, each rank's engine makes
     its share), tokenizer and a per-rank engine fitting the longest question plus a completion and,
-    if `teacher`, a teacher prompt plus its sample and such a sample as a question."""
+    if `teacher`, a teacher prompt plus its sample and such a sample as a question. The engine
+    serves adapters of up to --lora_rank and of the PEFT folders among the paths `served`."""
     _, world_size, device = rloo.init_distributed()
     mesh = init_device_mesh(device.type, (world_size,))
     tok = launch.tokenizer(cfg.model)
@@ -538,7 +550,8 @@ def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False,
                                 f"than one sequence (prompt + completion: up to {seq_len} tokens)")
     llm = rloo.build_engine(cfg.model, seed=seeds(cfg)[0], max_model_len=seq_len,
                             gpu_memory_utilization=engine_share or cfg.gpu_memory_utilization,
-                            verbose=cfg.verbose)
+                            verbose=cfg.verbose,
+                            lora_rank=max([cfg.lora_rank] + [rloo.adapter_rank(p) for p in served]))
     return mesh, tok, llm
 
 
@@ -582,7 +595,9 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
     test = launch.problems(cfg.test)
     files = {r.file: launch.problems(path_of(r.file, cfg)) for r in rows.values() if r.file}
     mesh, tok, llm = setup(cfg, [hard, test, *files.values()],
-                           teacher=any(r.teacher for r in rows.values()))
+                           teacher=any(r.teacher for r in rows.values()),
+                           served=[path_of(t, cfg) for r in rows.values()
+                                   for t in (r.model, r.teacher) if t])
     for method, row in rows.items():
         for seed in seeds(cfg):
             out = run_dir(cfg, method, seed)
@@ -644,7 +659,7 @@ def cmd_sample_teacher(cfg: Config, args: list[str]) -> None:
     path = args[0] if args else os.path.join(cfg.soar, "teacher")
     if not cfg.out:
         raise launch.UsageError("sample-teacher needs --out FILE")
-    mesh, tok, llm = setup(cfg, [], teacher=True)
+    mesh, tok, llm = setup(cfg, [], teacher=True, served=[path])
     qs = teacher_questions(path, cfg, seeds(cfg)[0], llm, tok, mesh)
     if rloo.rank0():
         data.write_jsonl(cfg.out, qs)

@@ -293,7 +293,7 @@ def save_checkpoint(out: str, step: int, policies: dict, state: dict, unchanged:
                      for f in getattr(e, "failures", {}).values()]]
         why = next((x.strerror for x in errs if isinstance(x, OSError) and x.strerror), None) \
             or data.first_line(errs[-1])
-        need = sum((12 if opt else 4) * sum(p.numel() for p in policy.model.parameters())
+        need = sum((12 if opt else 4) * sum(p.numel() for p in rloo.trainable(policy).values())
                    for n, (policy, opt) in policies.items() if n not in linked)   # fp32 + AdamW
         free = readable(shutil.disk_usage(out).free, BYTES)
         raise UsageError(f"cannot write the checkpoint {tmp} ({why}): it needs about "

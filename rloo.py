@@ -26,6 +26,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -36,11 +37,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+# safetensors comes with transformers: the adapter files PEFT and vLLM read
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
@@ -61,6 +65,9 @@ LOGIT_CHUNK_TOKENS = 2048   # token_logprobs runs the vocabulary head on this ma
 # at the paper's shape (prompts 128 of 1152 tokens) they cost 23% (docs/scale.md)
 SHARED_PROMPTS_BY_DEVICE = {"cpu": True, "cuda": False}
 MAX_NONFINITE = 3           # updates skipped in a row (non-finite loss or gradient) that stop a run
+# LoRA (METHOD.md "LoRA")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM takes
+LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")   # a PEFT adapter folder
 # -----------------------------------------------------------------------------
 
 
@@ -224,10 +231,13 @@ _ENGINES = []   # the engines this process built (shutdown stops them)
 
 
 def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
-                 gpu_memory_utilization: float = 0.3, verbose: bool = False, **engine_args):
+                 gpu_memory_utilization: float = 0.3, verbose: bool = False, lora_rank: int = 0,
+                 max_loras: int = 2, **engine_args):
     """One engine per rank, built ONCE (all ranks at the same time: vLLM makes groups) and
-    reused for every model the rank serves; weights change only through sync_weights. Unless
-    `verbose`, vLLM's warnings and load bars stay off the console (each silenced below)."""
+    reused for every model the rank serves; weights change only through sync_weights. With
+    `lora_rank`, it also serves adapters of up to that rank on its base, `max_loras` of them in one
+    call (METHOD.md "LoRA"). Unless `verbose`, vLLM's warnings and load bars stay off the console
+    (each silenced below)."""
     # INFO: a line per weight sync. WARNING, on every start: libtcmalloc / libiomp not preloaded,
     # "Triton is installed, but doesn't include CPU backend", set_num_threads after thread binding
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if verbose else "ERROR")
@@ -242,6 +252,9 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if lora_rank:
+        engine_args.update(enable_lora=True, max_loras=max_loras, max_cpu_loras=max_loras,
+                           max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_rank))
     llm = LLM(model=model_path, max_model_len=max_model_len, seed=seed + rank,
               # fp32 on CPU makes synced weights bit-equal to the trainer's (tests compare
               # logprobs); bf16 on GPU is what the trainer computes in anyway
@@ -258,6 +271,11 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
     # the rotary cos/sin cache is not in HF checkpoints, so every reload warns that it kept the
     # engine's own copy, which is right (set after LLM(): vLLM configures its loggers there)
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    llm.adapter = None   # the LoRARequest a request gets unless told one (sync_weights sets it)
+    llm.adapter_ids = 0  # adapter ids used so far: each version gets a new one (sync_adapter)
+    # where this rank writes the adapters it serves (RAM-backed where there is /dev/shm)
+    llm.adapter_dir = tempfile.mkdtemp(prefix="rloo-adapters-",
+                                       dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     _ENGINES.append(llm)
     return llm
 
@@ -266,7 +284,9 @@ def shutdown() -> None:
     """Stop this process's engines, then its process group: the engines' shutdown tears down
     vLLM's groups, the default one too (left to the interpreter's exit, it fails)."""
     while _ENGINES:
-        _ENGINES.pop().llm_engine.engine_core.shutdown()
+        llm = _ENGINES.pop()
+        llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(llm.adapter_dir, ignore_errors=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -276,13 +296,17 @@ class Sample:
     text: str
     token_ids: list[int]
     prompt_token_ids: list[int]
+    logprobs: list[float] | None = None   # the engine's, of each sampled token (generate(logprobs))
 
 
 def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_tokens: int,
-             seed: int, group=None, meter: Meter | None = None) -> list[list[Sample]]:
+             seed: int, group=None, adapters: list | None = None, logprobs: bool = False,
+             meter: Meter | None = None) -> list[list[Sample]]:
     """result[i] = the n samples of prompts[i] (a string or token ids); with a group, prompts are
     split over its ranks and every rank returns the full list. Request i has seed + i (i global):
-    results do not depend on the split, and repeated prompts get distinct seeds."""
+    results do not depend on the split, and repeated prompts get distinct seeds. Request i is
+    served by adapters[i] (LoRA: several adapters in one call), else by what was synced last.
+    `logprobs`: keep the engine's log-prob of each sampled token."""
     from vllm import SamplingParams   # (see build_engine)
     if group is not None:
         rank = dist.get_rank(group)
@@ -294,9 +318,12 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
     inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts[lo:hi]]
     greedy = temperature == 0   # vLLM refuses n > 1 when greedy: sample once, repeat n times
     params = [SamplingParams(n=1 if greedy else n, temperature=temperature, max_tokens=max_tokens,
-                             seed=seed + i) for i in range(lo, hi)]
-    outs = llm.generate(inputs, params, use_tqdm=False) if inputs else []
-    mine = [[Sample(c.text, list(c.token_ids), list(o.prompt_token_ids))
+                             seed=seed + i, logprobs=0 if logprobs else None)
+              for i in range(lo, hi)]
+    lora = adapters[lo:hi] if adapters is not None else llm.adapter
+    outs = llm.generate(inputs, params, lora_request=lora, use_tqdm=False) if inputs else []
+    mine = [[Sample(c.text, list(c.token_ids), list(o.prompt_token_ids),
+                    [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if logprobs else None)
              for c in (o.outputs * n if greedy else o.outputs)] for o in outs]
     if meter is not None:
         meter.count("generated", sum(len(c.token_ids) for o in outs for c in o.outputs))
@@ -356,25 +383,36 @@ def count_correct(llm, problems: list[dict], *, prompt, correct, n: int, max_tok
 
 @dataclass
 class Policy:
-    model: torch.nn.Module            # FSDP2-sharded HF causal LM (fp32 master weights)
+    model: torch.nn.Module            # FSDP2-sharded HF causal LM (fp32 master weights); LoRA: the
+                                      # frozen base, whole on each rank, shared by all policies
     ref: torch.nn.Module | None       # frozen sharded copy for the KL term; None if kl_coef == 0
+                                      # and with LoRA (the base without an adapter is the reference)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    mesh: object                      # 1-D DeviceMesh sharding both models
+    mesh: object                      # 1-D DeviceMesh: the ranks that train this policy together
     kl_coef: float = 0.001
     grad_clip: float = 1.0
     save_dtype: torch.dtype = torch.float32   # dtype of the checkpoint we loaded (for save_hf)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     nonfinite: int = 0                        # updates skipped in a row (non-finite loss or grad)
     shared_prompts: bool = True               # token_logprobs' path (prompt_pass)
+    # LoRA (METHOD.md "LoRA"): this policy's A and B on model's frozen base, and its engine version
+    adapter: dict[str, torch.nn.Parameter] | None = None   # None: full fine-tuning
+    lora_alpha: float = 0.0                   # the update is scaled by alpha / rank
+    base_path: str = ""                       # the base model (adapter_config.json names it)
+    served: object = None                     # the LoRARequest of its version in the engine
 
 
-def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
+def trainable(policy: Policy) -> dict[str, torch.Tensor]:
+    """what training changes, by name: the adapter (LoRA), else all of the model's parameters"""
+    if policy.adapter is not None:
+        return policy.adapter
+    return dict(policy.model.named_parameters())
+
+
+def _load_hf(path: str, dtype, activation_checkpointing: bool):
+    """the HF causal LM in `path`, its head returning its input (token_logprobs applies it)"""
     hf_logging.disable_progress_bar()   # else a bar per load and per save_hf, in every log
-    # each rank reads the (mmapped) safetensors, fully_shard keeps its shard on the mesh device;
-    # trained weights stay fp32 (AdamW steps at lr 1e-5 vanish in bf16), the frozen ref may be bf16.
-    gpu = mesh.device_type == "cuda"
-    dtype = torch.float32 if trainable or not gpu else GPU_PARAM_DTYPE
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     # token_logprobs applies the head in chunks, so here it copies its input (FSDP2 warns on a view)
     if (not isinstance(model.lm_head, torch.nn.Linear)
@@ -386,6 +424,15 @@ def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for layer in model.model.layers:   # else HF drops the cache; ours never appends
             layer._can_checkpoint_with_cache = True
+    return model
+
+
+def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
+    # each rank reads the (mmapped) safetensors, fully_shard keeps its shard on the mesh device;
+    # trained weights stay fp32 (AdamW steps at lr 1e-5 vanish in bf16), the frozen ref may be bf16.
+    gpu = mesh.device_type == "cuda"
+    dtype = torch.float32 if trainable or not gpu else GPU_PARAM_DTYPE
+    model = _load_hf(path, dtype, activation_checkpointing)
     mp = MixedPrecisionPolicy(param_dtype=GPU_PARAM_DTYPE if gpu else torch.float32,
                               reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -407,7 +454,7 @@ def _lr_lambda(warmup: int, total: int):
 
 def reset_optimizer(policy: Policy, *, lr: float, warmup_steps: int, total_steps: int) -> None:
     """fresh AdamW state + schedule (every student inner loop starts one)"""
-    policy.optimizer = torch.optim.AdamW(policy.model.parameters(), lr=lr, betas=ADAM_BETAS,
+    policy.optimizer = torch.optim.AdamW(trainable(policy).values(), lr=lr, betas=ADAM_BETAS,
                                          eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
     policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer,
                                                          _lr_lambda(warmup_steps, total_steps))
@@ -426,20 +473,165 @@ def prompt_pass(choice: str, device_type: str) -> bool:
 
 def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: int,
                 kl_coef: float = 0.001, grad_clip: float = 1.0,
-                activation_checkpointing: bool = False, prompts: str = "auto") -> Policy:
+                activation_checkpointing: bool = False, prompts: str = "auto",
+                lora_rank: int = 0, lora_alpha: float = 32.0, base=None,
+                seed: int = 0) -> Policy:
     """The model in HF folder `path`, sharded over mesh, with AdamW and, if kl_coef > 0, a frozen
     copy of it as the KL reference (METHOD.md "Hyperparameters": KL to the start model). `prompts`:
-    token_logprobs' forward path (prompt_pass)."""
-    model = _load_sharded(path, mesh, True, activation_checkpointing)
-    ref = _load_sharded(path, mesh, False) if kl_coef > 0 else None
+    token_logprobs' forward path (prompt_pass). With `lora_rank`, a fresh adapter of that rank
+    (drawn from `seed`) on the frozen base `base` (another LoRA policy's model), or on one loaded
+    here: only the adapter trains, and the base alone is the KL reference (METHOD.md "LoRA")."""
+    if mesh.device_type == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
     cfg_dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
-    policy = Policy(model, ref, None, None, mesh, kl_coef, grad_clip,
-                    cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32,
-                    torch.device(mesh.device_type, torch.cuda.current_device())
-                    if mesh.device_type == "cuda" else torch.device("cpu"))
-    policy.shared_prompts = prompt_pass(prompts, mesh.device_type)
+    policy = Policy(None, None, None, None, mesh, kl_coef, grad_clip, device=dev,
+                    save_dtype=cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32,
+                    shared_prompts=prompt_pass(prompts, mesh.device_type))
+    if lora_rank:
+        policy.model = base if base is not None else _load_base(path, dev, activation_checkpointing)
+        policy.adapter = new_adapter(policy.model, lora_rank, seed)
+        policy.lora_alpha = lora_alpha
+        policy.base_path = path
+    else:
+        policy.model = _load_sharded(path, mesh, True, activation_checkpointing)
+        policy.ref = _load_sharded(path, mesh, False) if kl_coef > 0 else None
     reset_optimizer(policy, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps)
     return policy
+
+
+# -----------------------------------------------------------------------------
+# LoRA (METHOD.md "LoRA"): adapters on one frozen base per rank, written in the PEFT format
+
+class LoraLinear(torch.nn.Module):
+    """A frozen linear layer plus the low-rank update of the adapter active on it:
+    y = W x + (alpha / r) B A x. A and B belong to a policy (Policy.adapter), not to this module,
+    so one base serves the teacher and every student, and with no adapter, the KL reference."""
+
+    def __init__(self, base_layer: torch.nn.Linear):
+        super().__init__()
+        self.base_layer = base_layer
+        self.active = None   # (A, B, alpha / r) of the active adapter; None: the base alone
+
+    def forward(self, x):
+        y = self.base_layer(x)
+        if self.active is None:
+            return y
+        A, B, scale = self.active
+        return y + scale * F.linear(F.linear(x, A.to(x.dtype)), B.to(x.dtype))
+
+
+def lora_layers(model) -> list[tuple[str, LoraLinear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLinear)]
+
+
+def _load_base(path: str, dev, activation_checkpointing: bool):
+    """The frozen base, whole on this rank as in its engine, in the compute dtype (bf16 on GPUs:
+    nothing of it is trained), with every linear layer of its decoder in a LoraLinear (the
+    embeddings and the head stay as they are, as with PEFT's "all-linear")."""
+    dtype = GPU_PARAM_DTYPE if dev.type == "cuda" else torch.float32
+    model = _load_hf(path, dtype, activation_checkpointing)
+    linear = [name for name, m in model.model.layers.named_modules()
+              if isinstance(m, torch.nn.Linear)]
+    for name in linear:
+        parent, _, leaf = name.rpartition(".")
+        holder = model.model.layers.get_submodule(parent)
+        setattr(holder, leaf, LoraLinear(getattr(holder, leaf)))
+    model.requires_grad_(False)
+    model.train(True)   # HF recomputes activations (activation_checkpointing) only in training
+    return model.to(dev)
+
+
+def new_adapter(model, rank: int, seed: int) -> dict[str, torch.nn.Parameter]:
+    """A fresh fp32 adapter for every LoraLinear of model, the same on every rank (`seed`): A drawn
+    as PEFT draws it (Kaiming-uniform, bound 1/sqrt(fan_in)), B = 0, so it starts as the base."""
+    g = torch.Generator().manual_seed(seed)
+    adapter = {}
+    for name, m in lora_layers(model):
+        out_features, in_features = m.base_layer.weight.shape
+        bound = 1 / math.sqrt(in_features)
+        A = torch.empty(rank, in_features).uniform_(-bound, bound, generator=g)
+        dev = m.base_layer.weight.device
+        adapter[name + ".lora_A"] = torch.nn.Parameter(A.to(dev))
+        adapter[name + ".lora_B"] = torch.nn.Parameter(torch.zeros(out_features, rank, device=dev))
+    return adapter
+
+
+def set_adapter(model, policy: Policy | None) -> None:
+    """make policy's adapter the active one on model's LoraLinears (None: the base alone)"""
+    for name, m in lora_layers(model):
+        if policy is None:
+            m.active = None
+        else:
+            A = policy.adapter[name + ".lora_A"]
+            m.active = (A, policy.adapter[name + ".lora_B"], policy.lora_alpha / A.shape[0])
+
+
+def adapter_config(policy: Policy) -> dict:
+    """adapter_config.json of a PEFT LoRA folder holding policy's adapter"""
+    A = next(iter(policy.adapter.values()))
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": policy.base_path, "r": A.shape[0],
+            "lora_alpha": policy.lora_alpha, "lora_dropout": 0.0, "bias": "none",
+            "target_modules": sorted({name.split(".")[-2] for name in policy.adapter}),
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "inference_mode": True}
+
+
+def write_adapter(policy: Policy, path: str, dtype=torch.float32) -> None:
+    """policy's adapter as a PEFT folder: what peft.PeftModel.from_pretrained and vLLM's
+    LoRARequest load on the base model"""
+    os.makedirs(path, exist_ok=True)
+    tensors = {f"base_model.model.{name}.weight": p.detach().to("cpu", dtype).contiguous()
+               for name, p in policy.adapter.items()}
+    save_file(tensors, os.path.join(path, LORA_FILES[1]))
+    with open(os.path.join(path, LORA_FILES[0]), "w", encoding="utf-8") as f:
+        json.dump(adapter_config(policy), f, indent=1)
+
+
+def adapter_rank(path: str) -> int:
+    """the rank of the PEFT LoRA folder `path`; 0 if it is not one"""
+    config = os.path.join(path, LORA_FILES[0])
+    if not os.path.exists(config):
+        return 0
+    with open(config, encoding="utf-8") as f:
+        return json.load(f)["r"]
+
+
+def serve_adapter(llm, path: str):
+    """The PEFT folder `path` into this rank's engine under a new id, loaded now; requests are
+    served by it from then on (generate). Returns its LoRARequest."""
+    from vllm.lora.request import LoRARequest   # (see build_engine)
+    llm.adapter_ids += 1
+    request = LoRARequest(f"adapter-{llm.adapter_ids}", llm.adapter_ids, path)
+    llm.llm_engine.add_lora(request)
+    llm.adapter = request
+    return request
+
+
+def sync_adapter(policy: Policy, llm) -> None:
+    """LoRA's weight sync: the policy's adapter, in the engine's dtype, as a new adapter of the
+    engine. Always a new id: vLLM caches adapters by id, and new weights under an id it holds
+    would be served stale, silently. The policy's previous version leaves the engine."""
+    path = os.path.join(llm.adapter_dir, str(llm.adapter_ids + 1))
+    write_adapter(policy, path, llm.llm_engine.model_config.dtype)
+    previous = policy.served
+    policy.served = serve_adapter(llm, path)
+    if previous is not None:
+        llm.llm_engine.remove_lora(previous.lora_int_id)
+        shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+
+def _average_gradients(params: list, group) -> None:
+    """LoRA: the mean gradient over the group's ranks (what FSDP2 does for a sharded model), for
+    the adapter every rank holds whole: one flat all-reduce"""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)
 
 
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -592,13 +784,10 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
     batches += [[]] * (int(n_mb.item()) - len(batches))
     for rows in batches:   # a dummy ([]): one prompt token, an empty completion (mask 0)
         batch = ([prompt_ids[i] for i in rows] or [[0]], [completion_ids[i] for i in rows] or [[]])
+        if policy.adapter is not None:
+            set_adapter(policy.model, policy)   # LoRA: this policy's adapter on the shared base
         logp, mask = token_logprobs(policy.model, *batch, temperature, dev, policy.shared_prompts)
-        ref_logp = None
-        if policy.ref is not None:
-            with torch.no_grad():
-                ref_logp = token_logprobs(policy.ref, *batch, temperature, dev,
-                                          policy.shared_prompts)[0]
-            reshard(policy.ref)   # else its root (embeddings, head) stays gathered (0.7 GiB)
+        ref_logp = reference_logprobs(policy, *batch, temperature)
         adv = torch.tensor([[advantages[i]] for i in rows] or [[0.0]], device=dev)
         total, pg, kl = loss(logp, ref_logp, adv, mask, policy.kl_coef)
         (total * scale * (1.0 if rows else 0.0)).backward()
@@ -607,7 +796,9 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
     dist.all_reduce(stats[1:], group=group)
     if meter is not None:
         meter.count("trained", sum(map(len, prompt_ids)) + sum(map(len, completion_ids)))
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), policy.grad_clip)
+    if policy.adapter is not None:
+        _average_gradients(list(policy.adapter.values()), group)
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable(policy).values(), policy.grad_clip)
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
     lr = policy.scheduler.get_last_lr()[0]
@@ -629,6 +820,25 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
         print0(f"rloo.train_step: {msg}: update skipped", file=sys.stderr)
     return dict(loss=pg_loss + policy.kl_coef * kl, pg_loss=pg_loss, kl=kl,
                 grad_norm=grad_norm.item(), lr=lr, tokens=n_tokens, skipped=not finite)
+
+
+@torch.no_grad()
+def reference_logprobs(policy: Policy, prompts, completions, temperature: float):
+    """token_logprobs of the KL reference (None without one): the frozen copy, or with LoRA the
+    base without an adapter (the policy's is put back: activation checkpointing recomputes the
+    policy's forward in backward)"""
+    args = (prompts, completions, temperature, policy.device, policy.shared_prompts)
+    if policy.ref is not None:
+        logp = token_logprobs(policy.ref, *args)[0]
+        reshard(policy.ref)   # else its root (embeddings, head) stays gathered (0.7 GiB)
+        return logp
+    if policy.adapter is None or policy.kl_coef == 0:
+        return None
+    set_adapter(policy.model, None)
+    try:
+        return token_logprobs(policy.model, *args)[0]
+    finally:
+        set_adapter(policy.model, policy)
 
 
 def rl_step(policy: Policy, llm, batch: list[tuple[str, str]], *, prompt, reward, samples: int,
@@ -680,7 +890,10 @@ def sync_weights(policy: Policy, llm) -> None:
     as we gather: no full copy ever exists). model.state_dict() has plain HF names in the same order
     on every rank, and includes lm_head.weight even when tied: without it vLLM silently keeps stale
     logits (1.3 nats off in our tests). model.load_weights fails on the CPU runner; reload_weights
-    works, and takes a generator as external_launcher runs the worker in this process."""
+    works, and takes a generator as external_launcher runs the worker in this process. LoRA: the
+    adapter alone (sync_adapter)."""
+    if policy.adapter is not None:
+        return sync_adapter(policy, llm)
     dtype = llm.llm_engine.model_config.dtype
     reshard(policy.model)
 
@@ -694,6 +907,7 @@ def sync_weights(policy: Policy, llm) -> None:
     for _ in it:   # drain (should be empty) so every rank runs the same all-gathers
         pass
     llm.reset_prefix_cache()
+    llm.adapter = None   # requests are served by these weights
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -702,15 +916,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def snapshot(policy: Policy) -> dict[str, torch.Tensor]:
-    """clone of this rank's local shards, on CPU (students restart from theta in memory)"""
+    """clone of this rank's local shards (LoRA: of the adapter), on CPU (students restart from theta
+    in memory)"""
     reshard(policy.model)
-    return {n: _local(p).detach().to("cpu", copy=True) for n, p in policy.model.named_parameters()}
+    return {n: _local(p).detach().to("cpu", copy=True) for n, p in trainable(policy).items()}
 
 
 @torch.no_grad()
 def restore(policy: Policy, snap: dict[str, torch.Tensor]) -> None:
     reshard(policy.model)
-    for n, p in policy.model.named_parameters():
+    for n, p in trainable(policy).items():
         _local(p).copy_(snap[n])
 
 
@@ -741,7 +956,7 @@ def _state(policy: Policy, optimizer: bool) -> dict:
 
 def finite(policy: Policy, optimizer: bool = True) -> bool:
     """are the weights (and AdamW moments) finite on every rank of the policy's mesh?"""
-    tensors = list(policy.model.parameters())
+    tensors = list(trainable(policy).values())
     if optimizer:
         tensors += [t for st in policy.optimizer.state.values() for t in st.values() if t.dim()]
     ok = torch.stack([torch.isfinite(_local(t)).all() for t in tensors]).all().float()
@@ -753,11 +968,41 @@ def save_state(policy: Policy, path: str, optimizer: bool = True) -> None:
     """The weights and, if `optimizer`, the AdamW and schedule state, sharded (torch.distributed.
     checkpoint; all ranks of the job call; the folder must be on a filesystem all ranks see). On a
     sub-mesh (students) the groups' copies are deduplicated, so must hold the same weights (theta).
-    Not atomic itself: write it into a folder that appears in one rename."""
-    dcp.save(_state(policy, optimizer), checkpoint_id=path)
+    Not atomic itself: write it into a folder that appears in one rename. LoRA: the adapter (and
+    its AdamW and schedule state), the same on every rank, in one file rank 0 writes."""
+    if policy.adapter is None:
+        return dcp.save(_state(policy, optimizer), checkpoint_id=path)
+    if rank0():
+        state = {"adapter": {n: p.detach().cpu() for n, p in policy.adapter.items()}}
+        if optimizer:
+            state.update(optim=policy.optimizer.state_dict(), sched=policy.scheduler.state_dict())
+        os.makedirs(path, exist_ok=True)
+        torch.save(state, os.path.join(path, "adapter.pt"))
+    dist.barrier()
 
 
 def load_state(policy: Policy, path: str, optimizer: bool = True) -> None:
+    if policy.adapter is not None:
+        _load_adapter_state(policy, path, optimizer)
+    else:
+        _load_sharded_state(policy, path, optimizer)
+    if not finite(policy, optimizer):
+        raise RuntimeError(f"{path} holds non-finite weights or optimizer state; move its "
+                           "checkpoint aside to resume from the one before")
+
+
+def _load_adapter_state(policy: Policy, path: str, optimizer: bool) -> None:
+    state = torch.load(os.path.join(path, "adapter.pt"), map_location=policy.device,
+                       weights_only=True)
+    with torch.no_grad():
+        for n, p in policy.adapter.items():
+            p.copy_(state["adapter"][n])
+    if optimizer:
+        policy.optimizer.load_state_dict(state["optim"])
+        policy.scheduler.load_state_dict(state["sched"])
+
+
+def _load_sharded_state(policy: Policy, path: str, optimizer: bool) -> None:
     state = _state(policy, optimizer)
     dcp.load(state, checkpoint_id=path)
     opts = StateDictOptions(strict=False)   # lm_head.weight: tied, loaded as the embedding
@@ -767,9 +1012,6 @@ def load_state(policy: Policy, path: str, optimizer: bool = True) -> None:
         policy.scheduler.load_state_dict(state["sched"])
     else:
         set_model_state_dict(policy.model, state["model"], options=opts)
-    if not finite(policy, optimizer):
-        raise RuntimeError(f"{path} holds non-finite weights or optimizer state; move its "
-                           "checkpoint aside to resume from the one before")
 
 
 def save_hf(policy: Policy, path: str, tokenizer=None, version: int = 0,
@@ -777,16 +1019,21 @@ def save_hf(policy: Policy, path: str, tokenizer=None, version: int = 0,
     """Gather the full weights on rank 0 and write an HF folder that from_pretrained / vLLM load
     (safetensors, in the dtype of the checkpoint the policy started from), with `extra` json files.
     It is written as path.v<version>/, then `path`, a symbolic link, is switched to it in one
-    os.replace: a reader finds the old folder or the new one, never none. All ranks call."""
-    reshard(policy.model)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    sd = get_model_state_dict(policy.model, options=options)
+    os.replace: a reader finds the old folder or the new one, never none. All ranks call. LoRA: a
+    PEFT adapter folder (fp32) for the base model, in place of the full weights."""
+    if policy.adapter is None:
+        reshard(policy.model)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sd = get_model_state_dict(policy.model, options=options)
     if rank0():
         target = f"{path}.v{version}"
         for d in (target + ".tmp", target):
             shutil.rmtree(d, ignore_errors=True)
-        policy.model.save_pretrained(target + ".tmp",
-                                     state_dict={k: v.to(policy.save_dtype) for k, v in sd.items()})
+        if policy.adapter is not None:
+            write_adapter(policy, target + ".tmp")
+        else:
+            policy.model.save_pretrained(
+                target + ".tmp", state_dict={k: v.to(policy.save_dtype) for k, v in sd.items()})
         if tokenizer is not None:
             tokenizer.save_pretrained(target + ".tmp")
         for name, obj in (extra or {}).items():

@@ -79,6 +79,10 @@ class Config:
     teacher_warmup: int = launch.flag(20, "teacher lr warmup steps")
     student_lr: float = launch.flag(1e-5, "AdamW, cosine over S, no warmup")
     kl_coef: float = launch.flag(0.001, "k3 KL to the model the run started from")
+    # ---- LoRA (METHOD.md "LoRA"): the teacher and the students as adapters on one frozen base ----
+    lora_rank: int = launch.flag(0,
+        "rank of the teacher's and students' adapters; 0 = full fine-tuning (the paper's)", least=0)
+    lora_alpha: float = launch.flag(32.0, "adapters' scale: the update is (alpha / rank) B A")
     # ---- sampling ----
     teacher_max_tokens: int = launch.flag(512, "new tokens per teacher sample", least=1)
     student_max_tokens: int = launch.flag(1024, "new tokens per student completion", least=1)
@@ -527,40 +531,51 @@ def load_models(cfg: Config, device, world_size: int, tok, seq_len: int, hard: l
     mesh = init_device_mesh(device.type, (G, world_size // G), mesh_dim_names=("group", "fsdp"))
     teacher_mesh = init_device_mesh(device.type, (world_size,))
     llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len, verbose=cfg.verbose,
-                            gpu_memory_utilization=cfg.gpu_memory_utilization)
-    teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr, kl_coef=cfg.kl_coef,
+                            gpu_memory_utilization=cfg.gpu_memory_utilization,
+                            lora_rank=cfg.lora_rank)
+    lora = dict(lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, prompts=cfg.prompt_pass,
+                activation_checkpointing=cfg.activation_checkpointing, kl_coef=cfg.kl_coef)
+    teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr,
                                total_steps=cfg.outer_steps, warmup_steps=cfg.teacher_warmup,
-                               activation_checkpointing=cfg.activation_checkpointing,
-                               prompts=cfg.prompt_pass)
+                               seed=launch.seed_of(cfg.seed, "adapter", "teacher"), **lora)
+    # with LoRA, the student's adapter goes on the teacher's base: one base per rank
     student = rloo.load_policy(cfg.model, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0,
-                               total_steps=1, kl_coef=cfg.kl_coef,
-                               activation_checkpointing=cfg.activation_checkpointing,
-                               prompts=cfg.prompt_pass)
+                               total_steps=1, base=teacher.model if cfg.lora_rank else None,
+                               seed=launch.seed_of(cfg.seed, "adapter", "student"), **lora)
     if ckpt:
         rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
         rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta
     n_params = sum(p.numel() for p in teacher.model.parameters())
-    announce(cfg, world_size, G, n_params, teacher.save_dtype.itemsize, bool(ckpt), state["step"])
+    n_trained = sum(p.numel() for p in rloo.trainable(teacher).values())
+    announce(cfg, world_size, G, n_params, n_trained, teacher.save_dtype.itemsize, bool(ckpt),
+             state["step"])
     return Run(mesh, tok, llm, teacher, student, rloo.snapshot(student), hard, state, n_params, wb)
 
 
-def announce(cfg: Config, world_size: int, G: int, n_params: int, save_bytes: int,
-             resuming: bool, step: int) -> None:
+def announce(cfg: Config, world_size: int, G: int, n_params: int, n_trained: int,
+             save_bytes: int, resuming: bool, step: int) -> None:
     """(rank 0) the layout and what a step writes; a warning if the disk cannot hold two
     checkpoints"""
     def size(n_bytes):
         return launch.readable(n_bytes, launch.BYTES)
+    if cfg.lora_rank:
+        trained = f"LoRA rank {cfg.lora_rank} adapters of {launch.readable(n_trained)} parameters"
+        what = "adapter"
+        folders = f"PEFT adapter folders {size(4 * n_trained)} each"
+    else:
+        trained = "full fine-tuning"
+        what = "weights"
+        folders = f"HF folders {size(n_params * save_bytes)} each"
     rloo.print0(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model "
-                f"{cfg.model} ({launch.readable(n_params)} parameters); out {cfg.out}; "
+                f"{cfg.model} ({launch.readable(n_params)} parameters), {trained}; out {cfg.out}; "
                 f"{'resuming at' if resuming else 'starting at'} step {step} of "
-                f"{cfg.outer_steps}\nwritten per step: checkpoint {size(12 * n_params)} "
-                f"(teacher fp32 weights + AdamW; the student's {size(4 * n_params)} of "
-                f"weights only after a promotion), HF folders "
-                f"{size(n_params * save_bytes)} each every {cfg.save_every} steps")
+                f"{cfg.outer_steps}\nwritten per step: checkpoint {size(12 * n_trained)} "
+                f"(the teacher's fp32 {what} + AdamW; the student's {size(4 * n_trained)} of "
+                f"{what} only after a promotion), {folders} every {cfg.save_every} steps")
     free = shutil.disk_usage(cfg.out).free
-    if rloo.rank0() and free < 32 * n_params:
+    if rloo.rank0() and free < 32 * n_trained:
         print(f"soar.py: warning: {size(free)} free in {cfg.out}, less than two checkpoints "
-              f"({size(32 * n_params)}): a save may fail", file=sys.stderr)
+              f"({size(32 * n_trained)}): a save may fail", file=sys.stderr)
 
 
 def track(cfg: Config, state: dict, wb: dict) -> None:
@@ -592,7 +607,8 @@ def log_rows(wb: dict, rows: list[dict]) -> None:
 def throughput(cfg: Config, run: Run, meter: rloo.Meter, faults_before: dict) -> dict:
     """The step's counts over all ranks: grading faults, skipped updates, tokens generated and
     trained per phase; tokens/s per GPU per phase and, on a GPU of known peak, training phases' MFU:
-    6N FLOP/trained token, 8N with the KL reference's forward (excl. attention, recomputation)."""
+    6N FLOP/trained token, 8N with the KL reference's forward (excl. attention, recomputation);
+    with LoRA 4N and 6N (the frozen base gets no weight gradients; the adapters' FLOPs left out)."""
     row = launch.step_counts(meter, faults_before)
     W = dist.get_world_size()
     peak = launch.peak_flops()
@@ -601,7 +617,8 @@ def throughput(cfg: Config, run: Run, meter: rloo.Meter, faults_before: dict) ->
         secs = max(meter.seconds[phase], 1e-9)
         row[f"perf/tokens_per_s_per_gpu/{phase}"] = round(n / secs / W, 1)
         if peak and f"tokens/trained/{phase}" in row:
-            flops = (6 + 2 * (cfg.kl_coef > 0)) * run.n_params * row[f"tokens/trained/{phase}"]
+            per_token = (4 if cfg.lora_rank else 6) + 2 * (cfg.kl_coef > 0)
+            flops = per_token * run.n_params * row[f"tokens/trained/{phase}"]
             row[f"perf/mfu/{phase}"] = round(flops / secs / (W * peak), 4)
     return row
 

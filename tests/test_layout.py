@@ -17,7 +17,7 @@ ALLOWED = {"data": {"data"}, "rloo": {"rloo"}, "launch": {"launch", "rloo", "dat
            "world": {"world", "data"}, "soar": {"soar", "rloo", "launch", "data", "world"},
            "eval": {"eval", "rloo", "launch", "data", "world"}}
 # what the stand-alone libraries may import at all (their own file aside)
-STANDALONE = {"rloo": {"torch", "transformers", "vllm", "numpy"},
+STANDALONE = {"rloo": {"torch", "transformers", "vllm", "numpy", "safetensors"},
               "data": {"numpy", "math_verify", "pyarrow", "huggingface_hub", "torch",
                        "transformers"}}
 

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from soar_runs import ROOT, TIMING, dcp_keys, rows, soar  # noqa: E402
+from soar_runs import (ROOT, TIMING, dcp_keys, kill_all, rows, soar, wait_for,  # noqa: E402
+                       without_timing)
 
 
 def test_outputs_are_consistent(full_run):
@@ -154,3 +155,44 @@ def test_a_teacher_without_valid_pairs_fails_cleanly(tmp_path):
     """(settings that cannot work: test_faults.test_bad_input_ends_in_one_line)"""
     p = soar(tmp_path / "d", "--teacher_max_tokens", "1", "--max_rejection_rounds", "2")
     assert p.returncode == 1 and "valid question-answer pairs" in p.stdout + p.stderr
+
+
+LORA = ("--lora_rank", "8")
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """a LoRA run to the end, and the same run killed once its step-1 checkpoint exists, then
+    resumed"""
+    d = tmp_path_factory.mktemp("lora")
+    whole = soar(d / "whole", *LORA)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    p = soar(d / "killed", *LORA, wait=False)
+    wait_for(d / "killed" / "ckpt" / "step-1", p, delay=0.3)
+    kill_all(p)
+    resumed = soar(d / "killed", *LORA)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    return d, whole.stdout, resumed.stdout
+
+
+def test_lora_run_resumes_to_the_same_result(lora_runs):
+    d, _, log = lora_runs
+    assert "resuming at step" in log
+    assert without_timing(rows(d / "killed" / "metrics.jsonl")) == \
+        without_timing(rows(d / "whole" / "metrics.jsonl"))
+    for name in ("pq.jsonl", "questions.jsonl"):
+        assert rows(d / "killed" / name) == rows(d / "whole" / name), name
+
+
+def test_lora_run_writes_adapters_only(lora_runs):
+    d, log, _ = lora_runs
+    out = d / "whole"
+    assert [m["promotions"] for m in rows(out / "metrics.jsonl")] == [1, 2, 3]
+    assert "LoRA rank 8 adapters of" in log and "PEFT adapter folders" in log
+    for name in ("teacher", "student"):   # checkpoints: the adapter (teacher: and AdamW) alone
+        assert os.listdir(out / "ckpt" / "step-3" / name) == ["adapter.pt"]
+        folder = out / name   # PEFT folders on the base model, marked with their step
+        assert json.loads((folder / "adapter_config.json").read_text())["r"] == 8
+        assert (folder / "adapter_model.safetensors").exists() and \
+            not (folder / "model.safetensors").exists()
+        assert json.loads((folder / "soar.json").read_text()) == {"step": 3, "promotions": 3}

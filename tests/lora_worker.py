@@ -1,0 +1,136 @@
+"""
+Worker for tests/test_lora.py: run as `python tests/lora_worker.py OUT BASE [stale]` (1 rank, no
+torchrun) or under `torchrun --nproc_per_node 2`. A teacher and a student as LoRA adapters on one
+frozen base, served by the real vLLM CPU engine; writes what it measured to OUT/rank{r}.pt, and the
+test makes the assertions. `stale` breaks the weight sync on purpose (new weights under the old
+adapter id, the bug vLLM's adapter cache makes easy), to show that the checks catch it.
+"""
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+from rloo_dist_worker import PROMPTS, fixed_batch  # noqa: E402
+
+RANK = 8
+LR = 1e-2
+OPTS = dict(lr=LR, warmup_steps=0, total_steps=10, lora_rank=RANK, lora_alpha=16.0, kl_coef=0.1)
+
+
+def engine_vs_trainer(llm, served, seed):
+    """One multi-adapter call: PROMPTS sampled under each (policy, its LoRARequest) of `served`;
+    per adapter, the largest |engine log-prob - trainer log-prob| of the sampled tokens"""
+    import rloo
+    k = len(PROMPTS)
+    outs = rloo.generate(llm, PROMPTS * len(served), n=2, max_tokens=10, seed=seed, logprobs=True,
+                         adapters=[request for _, request in served for _ in PROMPTS])
+    errs = []
+    for i, (policy, _) in enumerate(served):
+        flat = [s for o in outs[i * k:(i + 1) * k] for s in o]
+        rloo.set_adapter(policy.model, policy)
+        with torch.no_grad():
+            lp, mask = rloo.token_logprobs(policy.model, [s.prompt_token_ids for s in flat],
+                                           [s.token_ids for s in flat])
+        engine = torch.zeros_like(lp)
+        for row, s in enumerate(flat):
+            engine[row, :len(s.logprobs)] = torch.tensor(s.logprobs)
+        errs.append(((lp - engine) * mask).abs().max().item())
+    return errs
+
+
+def stale_sync(policy, llm):
+    """the broken sync: the policy's new weights rewritten into its first folder and added under
+    its first id, which the engine already holds"""
+    import rloo
+    if policy.served is None:
+        return SYNC(policy, llm)
+    rloo.write_adapter(policy, policy.served.lora_path, llm.llm_engine.model_config.dtype)
+    llm.llm_engine.add_lora(policy.served)
+    llm.adapter = policy.served
+
+
+def main(out, base, mode="exact"):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoTokenizer
+    import rloo
+    global SYNC
+    rank, world, _ = rloo.init_distributed()
+    mesh = init_device_mesh("cpu", (world,))
+    # processed: the sampled tokens' log-probs at the sampling temperature, as the trainer's
+    llm = rloo.build_engine(base, max_model_len=256, lora_rank=RANK,
+                            logprobs_mode="processed_logprobs")
+    if mode == "stale":
+        SYNC = rloo.sync_adapter
+        rloo.sync_adapter = stale_sync
+    teacher = rloo.load_policy(base, mesh, seed=1, **OPTS)
+    student = rloo.load_policy(base, mesh, seed=2, base=teacher.model, **OPTS)
+    res = dict(world=world, adapter_names=sorted(teacher.adapter),
+               base_frozen=not any(p.requires_grad for p in teacher.model.parameters()),
+               optimized=sum(len(g["params"]) for g in teacher.optimizer.param_groups),
+               shared_base=student.model is teacher.model)
+    prompts, comps, rewards = fixed_batch()
+    adv = rloo.rloo_advantages(rewards).flatten().tolist()
+    lo, hi = rloo.chunk(len(prompts), rank, world)
+
+    # a fresh adapter (B = 0) is the base exactly
+    with torch.no_grad():
+        rloo.set_adapter(teacher.model, teacher)
+        with_adapter = rloo.token_logprobs(teacher.model, prompts, comps)[0]
+        rloo.set_adapter(teacher.model, None)
+        without = rloo.token_logprobs(teacher.model, prompts, comps)[0]
+    res["fresh_is_base"] = torch.equal(with_adapter, without)
+
+    # after each of several updates, the engine serves both adapters as the trainer holds them
+    theta = rloo.snapshot(student)
+    res["errs"] = []
+    res["steps"] = []
+    for it in range(3):
+        for policy in (teacher, student):
+            rloo.sync_weights(policy, llm)
+        res["errs"].append(engine_vs_trainer(llm, [(teacher, teacher.served),
+                                                   (student, student.served)], seed=it))
+        for policy in (teacher, student):
+            res["steps"].append(rloo.train_step(policy, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
+                                                loss=rloo.rloo_loss, temperature=1.0,
+                                                micro_batch_tokens=24))
+    res["teacher_trained"] = rloo.snapshot(teacher)
+    res["live_adapters"] = len(llm.llm_engine.list_loras())
+
+    # a promotion's restart: the student back to theta, synced
+    rloo.restore(student, theta)
+    rloo.sync_weights(student, llm)
+    res["errs"].append(engine_vs_trainer(llm, [(student, student.served)], seed=10))
+
+    # a resume: the teacher's checkpoint in a fresh policy on the same base, then the same update
+    ckpt = os.path.join(out, "ckpt")
+    rloo.save_state(teacher, ckpt)
+    res["ckpt_files"] = sorted(os.listdir(ckpt))
+    step = rloo.train_step(teacher, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
+                           loss=rloo.rloo_loss, temperature=1.0)
+    resumed = rloo.load_policy(base, mesh, seed=3, base=teacher.model, **OPTS)
+    rloo.load_state(resumed, ckpt)
+    step_b = rloo.train_step(resumed, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
+                             loss=rloo.rloo_loss, temperature=1.0)
+    after = rloo.snapshot(teacher)
+    res["resume_equal"] = step == step_b and all(torch.equal(v, after[k])
+                                                 for k, v in rloo.snapshot(resumed).items())
+    rloo.sync_weights(resumed, llm)
+    res["errs"].append(engine_vs_trainer(llm, [(resumed, resumed.served)], seed=11))
+
+    # the final write: a PEFT folder, served again from there, and what PEFT must reproduce
+    folder = os.path.join(out, "teacher")
+    rloo.save_hf(resumed, folder, AutoTokenizer.from_pretrained(base), extra={"soar.json": {}})
+    request = rloo.serve_adapter(llm, folder)
+    res["errs"].append(engine_vs_trainer(llm, [(resumed, request)], seed=12))
+    rloo.set_adapter(resumed.model, resumed)
+    with torch.no_grad():
+        res["saved_logprobs"] = rloo.token_logprobs(resumed.model, prompts, comps)[0]
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()   # no destroy_process_group: vLLM's exit handler still uses the groups
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

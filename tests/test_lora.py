@@ -1,0 +1,111 @@
+"""
+LoRA in rloo.py on real parts: adapters on one frozen base, the vLLM CPU engine serving them, two
+ranks under torchrun (gloo). The worker (tests/lora_worker.py) runs as a plain 1-rank process, under
+`torchrun --nproc_per_node 2`, and once more with its weight sync broken on purpose; the tests
+assert on what they wrote. peft (a test dependency) proves that our adapter folders are PEFT's.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+from lora_worker import LR, RANK  # noqa: E402
+from rloo_dist_worker import fixed_batch, make_tiny_model  # noqa: E402
+
+EXACT = 1e-4   # engine vs trainer log-probs, fp32 on both sides (1e-6 measured)
+
+
+def _run(cmd, out):
+    os.makedirs(out)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lora")
+    base = str(d / "base")
+    make_tiny_model(base, seed=0)
+    worker = os.path.join(HERE, "lora_worker.py")
+    _run([sys.executable, worker, str(d / "w1"), base], str(d / "w1"))
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", worker,
+          str(d / "w2"), base], str(d / "w2"))
+    _run([sys.executable, worker, str(d / "stale"), base, "stale"], str(d / "stale"))
+    def load(p):
+        return torch.load(p, weights_only=False)
+    return dict(base=base, dir=d, one=load(d / "w1" / "rank0.pt"),
+                two=[load(d / "w2" / f"rank{r}.pt") for r in range(2)],
+                stale=load(d / "stale" / "rank0.pt"))
+
+
+def test_adapters_on_one_frozen_base(runs):
+    for res in [runs["one"], *runs["two"]]:
+        assert res["base_frozen"] and res["shared_base"]
+        names = res["adapter_names"]
+        # every linear layer of both decoder layers: 4 attention + 3 MLP projections, A and B
+        assert len(names) == 2 * 7 * 2 and all(n.startswith("model.layers.") for n in names)
+        assert res["optimized"] == len(names)   # only the adapter is in the optimizer
+        assert res["fresh_is_base"]              # B = 0: a fresh adapter is the base exactly
+        assert res["live_adapters"] == 2         # each policy's old versions left the engine
+
+
+def test_the_engine_serves_each_adapter_as_trained(runs):
+    """after each of 3 updates (one multi-adapter call for both), after a restore to theta (a
+    promotion's restart), after a resume, and from the saved PEFT folder"""
+    for res in [runs["one"], *runs["two"]]:
+        assert len(res["errs"]) == 6
+        for errs in res["errs"]:
+            assert max(errs) < EXACT, res["errs"]
+        assert all(not s["skipped"] and s["grad_norm"] > 0 for s in res["steps"])
+
+
+def test_a_stale_adapter_is_caught(runs):
+    """the same checks with new weights written under the old adapter id: the engine keeps serving
+    what it loaded first, and the log-probs say so from the first update on"""
+    errs = runs["stale"]["errs"]
+    assert max(errs[0]) < EXACT          # before any update nothing is stale yet
+    assert min(errs[1]) > 100 * EXACT and min(errs[2]) > 100 * EXACT, errs
+
+
+def test_two_ranks_equal_one_rank(runs):
+    """each rank trains on its half of the batch; the averaged gradients give one rank's update"""
+    one = runs["one"]["teacher_trained"]
+    for res in runs["two"]:
+        for k, v in res["teacher_trained"].items():
+            assert (v - one[k]).abs().max() < 2 * LR * 3, k   # 3 updates (Adam's sign noise)
+            assert (v - one[k]).abs().float().gt(1e-5).float().mean() < 1e-2, k
+    a, b = (r["teacher_trained"] for r in runs["two"])
+    assert all(torch.equal(a[k], b[k]) for k in a)   # replicas stay equal
+
+
+def test_resume_is_equal_and_checkpoints_hold_the_adapter_only(runs):
+    for res in [runs["one"], *runs["two"]]:
+        assert res["resume_equal"]
+        assert res["ckpt_files"] == ["adapter.pt"]
+    ckpt = runs["dir"] / "w2" / "ckpt" / "adapter.pt"
+    n_adapter = sum(v.numel() for v in runs["one"]["teacher_trained"].values())
+    assert os.path.getsize(ckpt) < 3 * 4 * n_adapter + 100_000   # fp32 adapter + AdamW moments
+
+
+def test_peft_loads_our_adapter_folder(runs):
+    import peft   # a test dependency (requirements.txt)
+    from transformers import AutoModelForCausalLM
+    folder = runs["dir"] / "w1" / "teacher"
+    assert os.path.islink(folder) and (folder / "soar.json").exists()
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["r"] == RANK and config["base_model_name_or_path"] == runs["base"]
+    model = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(runs["base"], dtype=torch.float32), str(folder))
+    prompts, comps, _ = fixed_batch()
+    ours = runs["one"]["saved_logprobs"]
+    with torch.no_grad():
+        for i, (p, c) in enumerate(zip(prompts, comps)):
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1:len(p) + len(c) - 1]
+            lp = torch.log_softmax(logits.float(), -1)[torch.arange(len(c)), c]
+            assert (lp - ours[i, :len(c)]).abs().max() < 1e-5
