@@ -526,3 +526,20 @@ def test_leeps_finds_the_informative_questions(small_world, tmp_path):
     # 0.57 vs 0.31 on the machine this test was written on (0.44 vs 0.21 on the 300-step small
     # world of before, 0.33 vs 0.23 on an AVX-512 machine's build of it)
     assert share["leeps"] > share["uniform"] + 0.05, share
+
+
+def test_rows_of_a_lora_run(tmp_path):
+    """a LoRA SOAR run's PEFT folders served as adapters (ps: its student, grounded-t: questions of
+    its teacher) and a fresh student trained as an adapter (--lora_rank)"""
+    from soar_runs import soar
+    p = soar(tmp_path / "soar", "--lora_rank", "8", "--outer_steps", "1")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    runs = tmp_path / "runs"
+    p = eval_py("row", "ps", "hard-only", "grounded-t", "--lora_rank", "8", "--soar",
+                str(tmp_path / "soar"), "--runs", str(runs), *SMALL)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for method in ("ps", "hard-only", "grounded-t"):
+        res = json.loads((runs / method / "seed0" / "result.json").read_text())
+        assert set(res["passk"]) >= {"pass@1", "pass@8"}
+    questions = rows(runs / "grounded-t" / "seed0" / "questions.jsonl")
+    assert len(questions) == 8 and all(q["question"] and q["answer"] for q in questions)

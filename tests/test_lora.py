@@ -6,7 +6,6 @@ assert on what they wrote. peft (a test dependency) proves that our adapter fold
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,15 +15,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 from lora_worker import LR, RANK  # noqa: E402
 from rloo_dist_worker import fixed_batch, make_tiny_model  # noqa: E402
+from test_rloo import _run  # noqa: E402   (a worker under its launcher)
 
 EXACT = 1e-4   # engine vs trainer log-probs, fp32 on both sides (1e-6 measured)
-
-
-def _run(cmd, out):
-    os.makedirs(out)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
 
 
 @pytest.fixture(scope="module")
