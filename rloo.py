@@ -360,17 +360,19 @@ def sample_until(llm, prompt, *, need: int, parse, round_seeds: list[int], max_t
 
 def count_correct(llm, problems: list[dict], *, prompt, correct, n: int, max_tokens: int,
                   seed: int, temperature: float = 1.0, group=None, chunk_prompts: int = 0,
-                  meter: Meter | None = None) -> list[int]:
+                  adapters: list | None = None, meter: Meter | None = None) -> list[int]:
     """How many of n samples of prompt(question) are correct(completions, answers) per problem
     ({"question", "answer"}): greedy accuracy (n = 1, temperature 0), pass@k and fail@k all count
     this way. Sampled in chunks of prompts so 5000 x 128 samples never sit in memory at once;
-    request i carries seed + i whatever the chunking (generate), so results do not depend on it."""
+    request i carries seed + i whatever the chunking (generate), so results do not depend on it.
+    `adapters` (LoRA): the adapter serving each problem (adapters_of), for several in one call."""
     step = chunk_prompts or max(1, 8192 // n)
     counts = []
     for lo in range(0, len(problems), step):
         part = problems[lo:lo + step]
         outs = generate(llm, [prompt(p["question"]) for p in part], n=n, temperature=temperature,
-                        max_tokens=max_tokens, seed=seed + lo, group=group, meter=meter)
+                        max_tokens=max_tokens, seed=seed + lo, group=group,
+                        adapters=adapters[lo:lo + step] if adapters else None, meter=meter)
         pairs = [(s.text, p["answer"]) for o, p in zip(outs, part) for s in o]
         right = split_map(lambda share: correct([c for c, _ in share], [a for _, a in share]),
                           pairs, group)
@@ -841,37 +843,66 @@ def reference_logprobs(policy: Policy, prompts, completions, temperature: float)
         set_adapter(policy.model, policy)
 
 
-def rl_step(policy: Policy, llm, batch: list[tuple[str, str]], *, prompt, reward, samples: int,
-            temperature: float, max_tokens: int, seed: int, group, micro_batch_tokens: int,
-            advantages, loss, train_temperature: float | None = None,
-            meter: Meter | None = None) -> dict:
-    """One RL step on (question, answer) pairs (METHOD.md "Inner loop"; also eval.py's fresh
-    students): sync, sample `samples` completions of prompt(question) per question on the group's
-    engines, score them with reward(completions, answers) (split over the ranks), `advantages` of
-    each question's [samples] rewards (rloo_advantages: leave-one-out; sept_advantages: all 1), one
-    `loss` update at train_temperature (default: the sampling one). Phases: sync, student_rollouts
-    (sampling and scoring). Returns train_step's stats, the mean `reward`, `rewards` (flat, question
-    by question) and `nontrivial`: per question, did its rewards vary."""
+def rl_step(policy: Policy, llm, batch: list[tuple[str, str]], **kwargs) -> dict:
+    """One RL step of one policy on (question, answer) pairs (rl_steps)"""
+    return rl_steps([policy], llm, [batch], **kwargs)[0]
+
+
+def rl_steps(policies: list[Policy], llm, batches: list[list[tuple[str, str]]], *, prompt, reward,
+             samples: int, temperature: float, max_tokens: int, seed: int, group,
+             micro_batch_tokens: int, advantages, loss, train_temperature: float | None = None,
+             meter: Meter | None = None) -> list[dict]:
+    """One RL step of each policy on its batch of (question, answer) pairs (METHOD.md "Inner loop";
+    also eval.py's fresh students): sync, sample `samples` completions of prompt(question) per
+    question on the group's engines, all policies in one engine call (LoRA: each request served by
+    its policy's adapter), score them with reward(completions, answers) (split over the ranks),
+    `advantages` of each question's [samples] rewards (rloo_advantages: leave-one-out;
+    sept_advantages: all 1), then one `loss` update per policy at train_temperature (default: the
+    sampling one). Phases: sync, student_rollouts (sampling and scoring). Returns, per policy,
+    train_step's stats, the mean `reward`, `rewards` (flat, question by question) and
+    `nontrivial`: per question, did its rewards vary."""
     meter = meter or Meter()
     with meter.timed("sync"):
-        sync_weights(policy, llm)
+        for policy in policies:
+            sync_weights(policy, llm)
     with meter.timed("student_rollouts"):
-        outs = generate(llm, [prompt(q) for q, _ in batch], n=samples, temperature=temperature,
-                        max_tokens=max_tokens, seed=seed, group=group, meter=meter)
-        flat = [(smp, a) for o, (_, a) in zip(outs, batch) for smp in o]
+        pairs = [pair for batch in batches for pair in batch]
+        outs = generate(llm, [prompt(q) for q, _ in pairs], n=samples, temperature=temperature,
+                        max_tokens=max_tokens, seed=seed, group=group,
+                        adapters=adapters_of(policies, [len(b) for b in batches]), meter=meter)
+        flat = [(smp, a) for o, (_, a) in zip(outs, pairs) for smp in o]
         rewards = split_map(lambda share: reward([s.text for s, _ in share], [a for _, a in share]),
                             flat, group)
-    table = torch.tensor(rewards).view(len(batch), samples)
-    adv = advantages(table).flatten().tolist()
-    rows = my_share([(smp, a) for (smp, _), a in zip(flat, adv)], group)
     if train_temperature is None:
         train_temperature = temperature
-    stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows],
-                       [smp.token_ids for smp, _ in rows], [a for _, a in rows], loss=loss,
-                       temperature=train_temperature, micro_batch_tokens=micro_batch_tokens,
-                       meter=meter)
-    return {**stats, "reward": sum(rewards) / len(rewards), "rewards": rewards,
-            "nontrivial": (table.std(1) > 0).tolist()}
+    results = []
+    lo = 0
+    for policy, batch in zip(policies, batches):
+        hi = lo + len(batch) * samples
+        table = torch.tensor(rewards[lo:hi]).view(len(batch), samples)   # questions x samples
+        adv = advantages(table).flatten().tolist()
+        rows = my_share([(smp, a) for (smp, _), a in zip(flat[lo:hi], adv)], group)
+        stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows],
+                           [smp.token_ids for smp, _ in rows], [a for _, a in rows], loss=loss,
+                           temperature=train_temperature, micro_batch_tokens=micro_batch_tokens,
+                           meter=meter)
+        policy_rewards = rewards[lo:hi]
+        results.append({**stats, "reward": sum(policy_rewards) / len(policy_rewards),
+                        "rewards": policy_rewards,
+                        "nontrivial": (table.std(1) > 0).tolist()})
+        lo = hi
+    return results
+
+
+def adapters_of(policies: list[Policy], counts: list[int]) -> list | None:
+    """The adapter serving each request of a call that holds counts[b] requests of policies[b]
+    (after their syncs); None for one policy: the engine serves what was synced last. Several
+    policies in one call must be LoRA adapters: the engine holds one set of full weights."""
+    if len(policies) == 1:
+        return None
+    if any(p.adapter is None for p in policies):
+        raise ValueError("several policies in one engine call need LoRA adapters (lora_rank > 0)")
+    return [p.served for p, count in zip(policies, counts) for _ in range(count)]
 
 
 # -----------------------------------------------------------------------------

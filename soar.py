@@ -12,7 +12,8 @@ Rerunning the same command resumes from the last finished outer step.
 Layout (METHOD.md "Scale layout"): the W ranks form a 2-D mesh of G student groups x W/G ranks. The
 teacher is sharded over all W ranks and all W engines sample its g*n pairs; the g*r students of a
 step go round-robin to the groups, which shard them over their ranks, sample on their own engines
-and take their students in turn. At the paper's settings on 32 GPUs: 16 groups of 2, a student each.
+and take their students in turn (with LoRA: all at once, one engine call per inner step). At the
+paper's settings on 32 GPUs: 16 groups of 2, a student each.
 
 Outputs in --out: metrics.jsonl (one line per outer step), pq.jsonl (promotion questions),
 questions.jsonl (every valid pair the teacher wrote, with its step, dataset k and R_k),
@@ -307,59 +308,74 @@ def baseline_accuracy(cfg: Config, run, q_r: list[dict], meter: rloo.Meter) -> f
     on the group's own engines, as its trained students are measured (greedy bf16 decoding is not
     batch-invariant: Acc0 from other engines or batches could differ by more than tau)."""
     rloo.restore(run.student, run.theta)
+    return accuracies(cfg, run, q_r, [run.student], meter)[0]
+
+
+def accuracies(cfg: Config, run, questions: list[dict], policies: list, meter: rloo.Meter):
+    """Each policy's greedy accuracy (METHOD.md "Rewards": Acc is binary, greedy) on the group's
+    engines, all in one engine call (several policies: LoRA adapters, rloo.adapters_of)."""
     with meter.timed("sync"):
-        rloo.sync_weights(run.student, run.llm)
+        for policy in policies:
+            rloo.sync_weights(policy, run.llm)
+    M = len(questions)
     with meter.timed("evaluation"):
-        return accuracy(cfg, run, q_r, meter)
+        counts = rloo.count_correct(run.llm, questions * len(policies), prompt=data.student_prompt,
+                                    correct=data.solved, n=1, temperature=0.0,
+                                    max_tokens=cfg.student_max_tokens, seed=0,
+                                    adapters=rloo.adapters_of(policies, [M] * len(policies)),
+                                    group=run.mesh["fsdp"].get_group(), meter=meter)
+    return [sum(counts[b * M:(b + 1) * M]) / M for b in range(len(policies))]
 
 
-def accuracy(cfg: Config, run, questions: list[dict], meter: rloo.Meter) -> float:
-    """Greedy accuracy (METHOD.md "Rewards": Acc is binary, greedy) on the group's engines."""
-    counts = rloo.count_correct(run.llm, questions, prompt=data.student_prompt,
-                                correct=data.solved, n=1, temperature=0.0,
-                                max_tokens=cfg.student_max_tokens, seed=0,
-                                group=run.mesh["fsdp"].get_group(), meter=meter)
-    return sum(counts) / len(questions)
-
-
-def train_student(cfg: Config, run, X: list, k: int, j: int, step: Step) -> None:
-    """Student j of dataset X_k (METHOD.md "Inner loop"): S RLOO steps from theta, with a fresh
-    optimizer, on batches of X_k in a shuffled order, on the group's engines."""
+def train_students(cfg: Config, run, wave: list[tuple[int, int]], step: Step) -> list:
+    """The students (k, j) of `wave` (METHOD.md "Inner loop"), each S RLOO steps from theta with a
+    fresh optimizer, on batches of its X_k in a shuffled order, on the group's engines. They train
+    in lockstep, one policy each (run.wave): each inner step samples all their rollouts in one
+    engine call. Returns the policies."""
     S = inner_steps(cfg, run.state["promotions"])
-    rloo.restore(run.student, run.theta)
-    rloo.reset_optimizer(run.student, lr=cfg.student_lr, warmup_steps=0, total_steps=S)
-    order = list(range(len(X)))
-    random.Random(launch.seed_of(cfg.seed, step.index, "order", k, j)).shuffle(order)
+    policies = run.wave[:len(wave)]
+    orders = []
+    for policy, (k, j) in zip(policies, wave):
+        rloo.restore(policy, run.theta)
+        rloo.reset_optimizer(policy, lr=cfg.student_lr, warmup_steps=0, total_steps=S)
+        order = list(range(len(step.datasets[k])))
+        random.Random(launch.seed_of(cfg.seed, step.index, "order", k, j)).shuffle(order)
+        orders.append(order)
+    Q = cfg.student_questions
     for s in range(S):
-        batch = [X[order[(s * cfg.student_questions + i) % len(order)]]
-                 for i in range(cfg.student_questions)]
-        rloo.rl_step(run.student, run.llm, batch, prompt=data.student_prompt, reward=data.grade,
-                     samples=cfg.student_samples, temperature=cfg.temperature,
-                     max_tokens=cfg.student_max_tokens,
-                     seed=launch.seed_of(cfg.seed, step.index, "student", k, j, s),
-                     group=run.mesh["fsdp"].get_group(), micro_batch_tokens=cfg.micro_batch_tokens,
-                     advantages=rloo.rloo_advantages, loss=rloo.rloo_loss, meter=step.meter)
+        batches = [[step.datasets[k][order[(s * Q + i) % len(order)]] for i in range(Q)]
+                   for (k, _), order in zip(wave, orders)]
+        k, j = wave[0]   # request i of the call is sampled with this seed + i (rloo.generate)
+        rloo.rl_steps(policies, run.llm, batches, prompt=data.student_prompt, reward=data.grade,
+                      samples=cfg.student_samples, temperature=cfg.temperature,
+                      max_tokens=cfg.student_max_tokens,
+                      seed=launch.seed_of(cfg.seed, step.index, "student", k, j, s),
+                      group=run.mesh["fsdp"].get_group(),
+                      micro_batch_tokens=cfg.micro_batch_tokens,
+                      advantages=rloo.rloo_advantages, loss=rloo.rloo_loss, meter=step.meter)
+    return policies
 
 
 def grounded(cfg: Config, run, step: Step):
     """Step 5, SOAR's reward (METHOD.md "Inner loop"): each group trains its share of the g*r
-    students in turn (train_student) and measures each on Q_R. Returns the g x r table R (on every
-    rank), the promotion candidates this group must keep and the most any rank keeps. The last
-    student a group trains stays in its model until the decision; the others are snapshots in host
-    RAM, kept only if a promotion is possible this step (can_promote)."""
+    students and measures each on Q_R, in waves of len(run.wave): one student at a time with full
+    fine-tuning, all of them at once with LoRA (train_students). Returns the g x r table R (on every
+    rank), the promotion candidates this group must keep and the most any rank keeps. The first
+    student of the last wave stays in run.student until the decision; the others are snapshots in
+    host RAM, kept only if a promotion is possible this step (can_promote)."""
     keep = can_promote(cfg, run.state["history"])
     R = {}
     snaps = {}
     mine = students(cfg)[run.mesh.get_local_rank("group")::run.mesh["group"].size()]
-    for k, j in mine:
+    waves = [mine[i:i + len(run.wave)] for i in range(0, len(mine), len(run.wave))]
+    for wave in waves:
         with step.meter.timed("student_training"):
-            train_student(cfg, run, step.datasets[k], k, j, step)
-        with step.meter.timed("sync"):
-            rloo.sync_weights(run.student, run.llm)
-        with step.meter.timed("evaluation"):
-            R[k, j] = accuracy(cfg, run, step.q_r, step.meter) - step.acc0
-        if keep and (k, j) != mine[-1]:
-            snaps[k, j] = rloo.snapshot(run.student)
+            policies = train_students(cfg, run, wave, step)
+        accs = accuracies(cfg, run, step.q_r, policies, step.meter)
+        for (k, j), policy, acc in zip(wave, policies, accs):
+            R[k, j] = acc - step.acc0
+            if keep and (k, j) != waves[-1][0]:
+                snaps[k, j] = rloo.snapshot(policy)
     parts = rloo.all_gather((R, len(snaps)))
     R = {kj: v for part, _ in parts for kj, v in part.items()}
     table = [[R[k, j] for j in range(cfg.students)] for k in range(cfg.num_datasets)]
@@ -448,7 +464,9 @@ class Run:
     tok: object
     llm: object                 # this rank's engine
     teacher: rloo.Policy
-    student: rloo.Policy        # this group's student (trained in turn from theta)
+    student: rloo.Policy        # this group's student: theta, and the first of each wave
+    wave: list                  # the policies of the students a group trains at once: [student];
+                                # with LoRA, an adapter for each of the group's students
     theta: dict                 # the baseline student's shards (rloo.snapshot)
     hard: list                  # the hard train split
     state: dict                 # what a checkpoint holds besides the weights
@@ -530,9 +548,11 @@ def load_models(cfg: Config, device, world_size: int, tok, seq_len: int, hard: l
     G = student_groups(cfg, world_size)
     mesh = init_device_mesh(device.type, (G, world_size // G), mesh_dim_names=("group", "fsdp"))
     teacher_mesh = init_device_mesh(device.type, (world_size,))
+    # with LoRA a group trains all its students at once (the most students a group has)
+    wave = max(1, -(-cfg.num_datasets * cfg.students // G)) if cfg.lora_rank else 1
     llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len, verbose=cfg.verbose,
                             gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            lora_rank=cfg.lora_rank)
+                            lora_rank=cfg.lora_rank, max_loras=wave + 1)   # + the teacher
     lora = dict(lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, prompts=cfg.prompt_pass,
                 activation_checkpointing=cfg.activation_checkpointing, kl_coef=cfg.kl_coef)
     teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr,
@@ -542,6 +562,10 @@ def load_models(cfg: Config, device, world_size: int, tok, seq_len: int, hard: l
     student = rloo.load_policy(cfg.model, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0,
                                total_steps=1, base=teacher.model if cfg.lora_rank else None,
                                seed=launch.seed_of(cfg.seed, "adapter", "student"), **lora)
+    # the wave's other adapters, on the same base (each restored to theta before it trains)
+    others = [rloo.load_policy(cfg.model, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0,
+                               total_steps=1, base=teacher.model, seed=0, **lora)
+              for _ in range(wave - 1)]
     if ckpt:
         rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
         rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta
@@ -549,7 +573,8 @@ def load_models(cfg: Config, device, world_size: int, tok, seq_len: int, hard: l
     n_trained = sum(p.numel() for p in rloo.trainable(teacher).values())
     announce(cfg, world_size, G, n_params, n_trained, teacher.save_dtype.itemsize, bool(ckpt),
              state["step"])
-    return Run(mesh, tok, llm, teacher, student, rloo.snapshot(student), hard, state, n_params, wb)
+    return Run(mesh, tok, llm, teacher, student, [student] + others, rloo.snapshot(student), hard,
+               state, n_params, wb)
 
 
 def announce(cfg: Config, world_size: int, G: int, n_params: int, n_trained: int,

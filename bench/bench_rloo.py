@@ -12,13 +12,20 @@ model-FLOP utilisation. A random model of the chosen shape is written first (no 
     python bench/bench_rloo.py --shape llama3b --train-only --profile --memory
         # and the top kernels over two micro-batches, and where the peak memory goes
 
+    python bench/bench_rloo.py --lora_rank 8               # and LoRA beside full fine-tuning:
+        # its train step, its adapter sync, and 4 adapters' rollouts in one engine call beside one
+        # call per adapter (soar.py's LoRA students share a call)
+    python bench/bench_rloo.py --shape llama3b --memory_table --lora_rank 32
+        # GPU memory per rank of SOAR with LoRA at the paper's settings, from the config
+
 Both forward paths of token_logprobs (shared prompts, one causal pass per row: rloo.prompt_pass)
 run in turn on the same batch unless --prompt_pass names one; bench/h200.sh runs the GPU checks.
 
 MFU counts 6*N*tokens for the policy forward+backward and 2*N*tokens for the reference
 forward (N = all parameters, lm_head counted once when tied; attention FLOPs and activation
 recomputation not counted), over a bf16 matmul measured in the same run (GPU) and over the
-GPU's spec-sheet peak (launch.PEAK_TFLOPS).
+GPU's spec-sheet peak (launch.PEAK_TFLOPS). With LoRA the policy is 4*N: the frozen base gets no
+weight gradients (the adapters' own FLOPs, under 2% at rank 32 on 3B, are left out).
 """
 import argparse
 import os
@@ -43,18 +50,34 @@ SHAPES = {  # LlamaConfig fields; head_dim 64 everywhere (the CPU attention kern
     "llama3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                     num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
                     rope_theta=500000.0),
+    # Qwen2.5-7B's shape as a Llama (no q/k/v biases, untied head): the 7B of --memory_table
+    "qwen7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                   num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                   rope_theta=1000000.0, tie_word_embeddings=False),
 }
 DEFAULTS = {  # rollouts, prompt tokens, completion tokens, micro-batch tokens, activation ckpt
     "tiny": (64, 32, 128, 8192, False),
     "llama3b": (256, 128, 1024, 16384, True),   # soar.py's student step (8 questions x 32 samples)
+    "qwen7b": (256, 128, 1024, 16384, True),
 }
+ADAPTERS = 4   # LoRA: adapters whose rollouts share one engine call (soar.py's students of a group)
+
+# --memory_table: SOAR at the paper's settings (METHOD.md "Hyperparameters") on one or more nodes
+PAPER = dict(students=4 * 4, inner_steps=10, rollouts=256, tokens=128 + 1024, outer_steps=200)
+GPUS = {"H100": 79.0, "H200": 139.0}   # GiB a rank can use
+ENGINE_SHARE = 0.3     # soar.py --gpu_memory_utilization
+# activations and transient buffers of one 16384-token micro-batch, checkpointed: the 3B student's
+# step peak on an H200 (107.8 GiB) less what rests between steps (95.9: weights, gradients, AdamW,
+# reference, the engine's share; docs/scale.md); other shapes scaled by width x depth (an estimate)
+ACTIVATION_GIB = 12.0
+ASSUMED_MFU = 0.4      # for the training hours of --memory_table (docs/scale.md measured 40-48%)
 
 
 def make_model(path, shape, dev):
     """random weights + a WordLevel tokenizer covering every id (so any sampled id decodes); a
     folder that holds the same model already is reused. Returns the parameter count."""
-    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True,
-                      bos_token_id=0, eos_token_id=1,
+    cfg = LlamaConfig(**{"tie_word_embeddings": True, **SHAPES[shape]},
+                      max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
                       dtype="bfloat16" if dev.type == "cuda" else "float32")
     with torch.device("meta"):
         n_params = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
@@ -78,6 +101,49 @@ def peak_mem_gib(dev):
     if dev.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB -> GiB, process peak
+
+
+def memory_table(shape: str, rank: int) -> str:
+    """GPU memory per rank of SOAR with LoRA rank `rank` at the paper's settings (PAPER), from the
+    shape's config alone, for 1 to 32 GPUs: G = min(W, g*r) student groups, each rank training
+    ceil(g*r / G) student adapters at once beside the teacher's (soar.py, METHOD.md "LoRA")."""
+    cfg = LlamaConfig(**{"tie_word_embeddings": True, **SHAPES[shape]})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    linear = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    a = sum(rank * (m.in_features + m.out_features) for m in linear)   # one adapter's parameters
+    ref = SHAPES["llama3b"]
+    act = ACTIVATION_GIB * (cfg.hidden_size * cfg.num_hidden_layers
+                            / (ref["hidden_size"] * ref["num_hidden_layers"]))
+    gib = 2 ** 30
+    base = 2 * n / gib        # bf16, frozen: once in the trainer, once in the engine
+    per_adapter = 16 * a / gib   # fp32 weights, gradients, AdamW's two moments
+    lines = [f"SOAR with LoRA rank {rank} on {shape} ({n / 1e9:.2f} B parameters; an adapter "
+             f"{a / 1e6:.1f} M = {a / n:.1%}, {per_adapter:.2f} GiB with its gradient and AdamW), "
+             f"g*r = {PAPER['students']} students of {PAPER['rollouts']} rollouts x "
+             f"{PAPER['tokens']} tokens, {ENGINE_SHARE:.0%} of each GPU to vLLM; GiB per rank:",
+             f"| GPUs | groups | students per rank | engine (base {base:.1f} + KV) | trainer base "
+             "| adapters (teacher + students) | activations | total H100 / H200 | fits H100 / H200 "
+             "| training hours, 200 steps |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    flops = 6 * n * PAPER["students"] * PAPER["inner_steps"] * PAPER["rollouts"] * PAPER["tokens"]
+    for W in (1, 2, 4, 8, 16, 32):
+        G = min(W, PAPER["students"])
+        s = -(-PAPER["students"] // G)
+        adapters = (1 + s) * per_adapter
+        totals = {gpu: ENGINE_SHARE * mem + base + adapters + act for gpu, mem in GPUS.items()}
+        fits = [("yes" if totals[gpu] <= mem else "no") for gpu, mem in GPUS.items()]
+        hours = flops * PAPER["outer_steps"] / W / (ASSUMED_MFU * 989e12) / 3600
+        lines.append(f"| {W} | {G} | {s} | {ENGINE_SHARE:.0%} of the GPU | {base:.1f} | "
+                     f"{adapters:.1f} | {act:.0f} | {totals['H100']:.0f} / {totals['H200']:.0f} | "
+                     f"{' / '.join(fits)} | {hours:.0f} |")
+    lines.append(f"training hours: the students' 6N FLOP per token (4N LoRA + 2N KL reference) "
+                 f"over S = {PAPER['inner_steps']}, at {ASSUMED_MFU:.0%} MFU of 989 TFLOP/s; "
+                 "generation, evaluation and the teacher come on top. Activations: "
+                 f"{ACTIVATION_GIB:.0f} GiB measured on 3B (full fine-tuning), scaled by width "
+                 "x depth.")
+    return "\n".join(lines)
 
 
 def timed(fn, dev):
@@ -126,6 +192,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--memory", action="store_true",
                     help="also where the peak memory goes (torch.cuda.memory_stats), and a memory "
                     "snapshot of one step in --workdir (GPU)")
+    ap.add_argument("--lora_rank", "--lora-rank", type=int, default=0,
+                    help="also LoRA of this rank beside full fine-tuning, in the same run")
+    ap.add_argument("--memory_table", "--memory-table", action="store_true",
+                    help="print the memory per rank of SOAR with LoRA at the paper's settings on "
+                    "--shape (from its config; nothing runs) and exit")
     ap.add_argument("--workdir", default="/tmp/bench_rloo")
     return ap
 
@@ -236,6 +307,8 @@ def profile_report(pol, batch: Batch, dev) -> None:
 
 def main():
     args = parser().parse_args()
+    if args.memory_table:
+        return print(memory_table(args.shape, args.lora_rank or 32))
     ac = DEFAULTS[args.shape][4] and not args.no_activation_checkpointing
     rank, world, dev = rloo.init_distributed()
     peak_measured = matmul_tflops(dev)
@@ -250,33 +323,49 @@ def main():
     gen = None
     if not args.train_only:
         llm = rloo.build_engine(path, max_model_len=batch.prompt_len + batch.gen_len + 8,
-                                gpu_memory_utilization=args.gpu_memory_utilization)
+                                gpu_memory_utilization=args.gpu_memory_utilization,
+                                lora_rank=args.lora_rank, max_loras=ADAPTERS + 1)
         gen = time_generation(llm, prompts, args.samples, batch.gen_len, dev)
     elif dev.type == "cuda":   # what the engine would take: the trainer gets the rest
         free, total = torch.cuda.mem_get_info()
         held = torch.empty(int(args.gpu_memory_utilization * total), dtype=torch.uint8,
                            device=dev)
     mesh = init_device_mesh(dev.type, (world,))
-    pol = rloo.load_policy(path, mesh, lr=1e-5, warmup_steps=0, total_steps=100, kl_coef=0.001,
-                           activation_checkpointing=ac)
     passes = ["shared", "single"] if args.prompt_pass == "both" else [args.prompt_pass]
-    results = {p: time_pass(pol, batch, rloo.prompt_pass(p, dev.type), dev) for p in passes}
-    t_sync = None if llm is None else timed(lambda: rloo.sync_weights(pol, llm), dev)[1]
+    opts = dict(lr=1e-5, warmup_steps=0, total_steps=100, kl_coef=0.001,
+                activation_checkpointing=ac)
+    results = {}   # (kind: "lora" or "full", pass) -> time_pass
+    syncs = {}     # kind -> seconds of a weight sync
+    adapters_line = None
+    if args.lora_rank:   # first, so its peak memory holds no full fine-tuning state
+        lora = rloo.load_policy(path, mesh, lora_rank=args.lora_rank, **opts)
+        for p in passes:
+            results["lora", p] = time_pass(lora, batch, rloo.prompt_pass(p, dev.type), dev)
+        if llm is not None:
+            syncs["lora"] = timed(lambda: rloo.sync_weights(lora, llm), dev)[1]
+            adapters_line = time_adapters(llm, lora, prompts, args.samples, batch.gen_len, dev)
+        del lora
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    pol = rloo.load_policy(path, mesh, **opts)
+    for p in passes:
+        results["full", p] = time_pass(pol, batch, rloo.prompt_pass(p, dev.type), dev)
+    if llm is not None:
+        syncs["full"] = timed(lambda: rloo.sync_weights(pol, llm), dev)[1]
     if rank == 0:
         print(f"shape {args.shape}: {n_params / 1e6:.1f} M params, {world} rank(s) on "
               f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, "
               f"activation checkpointing {ac}, micro-batch {batch.micro_batch_tokens} tokens")
         if gen:
             print(gen)
-        for p, r in results.items():
-            print(train_line(p, r, batch, dev, world, n_params, peak_measured))
-        if len(results) == 2:
-            ratio = results["single"]["seconds"] / results["shared"]["seconds"]
-            print(f"single / shared step time: {ratio:.2f} (auto picks "
-                  f"{'shared' if rloo.prompt_pass('auto', dev.type) else 'single'} on {dev.type})")
-        if t_sync is not None:
-            t_train = results[passes[0]]["seconds"]
-            print(f"weight sync: {t_sync * 1000:.0f} ms = {t_sync / t_train:.1%} of a train step")
+        for (kind, p), r in results.items():
+            print(train_line(kind, p, r, batch, dev, world, n_params, peak_measured))
+        print_ratios(results, passes, dev)
+        for kind, seconds in syncs.items():
+            print(f"weight sync ({kind}): {seconds * 1000:.0f} ms = "
+                  f"{seconds / results[kind, passes[0]]['seconds']:.1%} of a train step")
+        if adapters_line:
+            print(adapters_line)
     chosen = args.prompt_pass if len(passes) == 1 else "auto"   # the path memory, profile see
     pol.shared_prompts = rloo.prompt_pass(chosen, dev.type)
     if args.memory:
@@ -285,6 +374,52 @@ def main():
         profile_report(pol, batch, dev)
     del held   # the engine's share of GPU memory, held back until here
     dist.barrier()
+
+
+def print_ratios(results: dict, passes: list, dev) -> None:
+    """(rank 0) single / shared per kind of training; LoRA / full per forward path"""
+    kinds = sorted({kind for kind, _ in results})
+    if len(passes) == 2:
+        for kind in kinds:
+            ratio = results[kind, "single"]["seconds"] / results[kind, "shared"]["seconds"]
+            print(f"{kind}: single / shared step time {ratio:.2f} (auto picks "
+                  f"{'shared' if rloo.prompt_pass('auto', dev.type) else 'single'} on {dev.type})")
+    if len(kinds) == 2:
+        for p in passes:
+            ratio = results["lora", p]["seconds"] / results["full", p]["seconds"]
+            print(f"{p}: LoRA / full fine-tuning step time {ratio:.2f}")
+
+
+def time_adapters(llm, policy, prompts: list, samples: int, gen_len: int, dev) -> str:
+    """ADAPTERS distinct adapters (the policy's A, random B), each sampling every prompt: in one
+    engine call with per-request adapters, and in one call per adapter with the same seeds. The
+    line: both times, their ratio, and whether the tokens are the same."""
+    requests = []
+    for k in range(ADAPTERS):
+        g = torch.Generator().manual_seed(k)
+        with torch.no_grad():
+            for name, p in policy.adapter.items():
+                if name.endswith("lora_B"):
+                    p.copy_(0.01 * torch.randn(p.shape, generator=g))
+        folder = os.path.join(llm.adapter_dir, f"bench-{k}")
+        rloo.write_adapter(policy, folder, llm.llm_engine.model_config.dtype)
+        requests.append(rloo.serve_adapter(llm, folder))
+    kw = dict(n=samples, max_tokens=gen_len, group=dist.group.WORLD)
+    rloo.generate(llm, prompts[:1], n=2, max_tokens=4, seed=0, adapters=requests[:1])   # warm-up
+    one, t_one = timed(lambda: rloo.generate(llm, prompts * ADAPTERS, seed=1, **kw,
+                                             adapters=[r for r in requests for _ in prompts]), dev)
+    apart = []
+    t_apart = 0.0
+    for k, r in enumerate(requests):
+        outs, seconds = timed(lambda: rloo.generate(llm, prompts, seed=1 + k * len(prompts), **kw,
+                                                    adapters=[r] * len(prompts)), dev)
+        apart += outs
+        t_apart += seconds
+    same = [s.token_ids for o in one for s in o] == [s.token_ids for o in apart for s in o]
+    n = sum(len(s.token_ids) for o in one for s in o)
+    return (f"LoRA rollouts: {ADAPTERS} adapters x {len(prompts)} prompts x {samples} samples "
+            f"({n} tokens): one call {t_one:.2f} s, one call per adapter {t_apart:.2f} s "
+            f"({t_apart / t_one:.2f}x); same tokens: {same}")
 
 
 def time_generation(llm, prompts: list, samples: int, gen_len: int, dev) -> str:
@@ -298,18 +433,21 @@ def time_generation(llm, prompts: list, samples: int, gen_len: int, dev) -> str:
             f"{seconds:.2f} s = {n / seconds:,.0f} tokens/s ({n / seconds / world:,.0f} per rank)")
 
 
-def train_line(name: str, r: dict, batch: Batch, dev, world: int, n_params: int,
+def train_line(kind: str, name: str, r: dict, batch: Batch, dev, world: int, n_params: int,
                peak_measured: float | None) -> str:
-    """a train step's time, throughput, MFU (8N per token run: 6N train + 2N reference) and peak"""
+    """a train step's time, throughput, MFU and peak: 8N per token run (6N train + 2N reference),
+    with LoRA 6N (4N train: no weight gradients for the base)"""
     shared = name == "shared" or name == "auto" and rloo.prompt_pass("auto", dev.type)
     run = tokens_run(batch, shared, world)
     seq_tokens = batch.rollouts * (batch.prompt_len + batch.gen_len)
-    achieved = 8 * n_params * run / r["seconds"] / world / 1e12
+    per_token = 6 if kind == "lora" else 8
+    achieved = per_token * n_params * run / r["seconds"] / world / 1e12
     spec = launch.peak_flops()
     label = "shared prompts" if shared else "one pass per row"
-    line = (f"train step ({name}: {label}): {batch.rollouts} rollouts x ({batch.prompt_len} + "
-            f"{batch.gen_len}) tokens in {r['seconds']:.2f} s = {seq_tokens / r['seconds']:,.0f} "
-            f"tokens/s ({r['stats']['tokens'] / r['seconds']:,.0f} completion tokens/s; "
+    line = (f"train step ({kind}, {name}: {label}): {batch.rollouts} rollouts x "
+            f"({batch.prompt_len} + {batch.gen_len}) tokens in {r['seconds']:.2f} s = "
+            f"{seq_tokens / r['seconds']:,.0f} tokens/s "
+            f"({r['stats']['tokens'] / r['seconds']:,.0f} completion tokens/s; "
             f"{run:,} tokens run); {achieved:.3g} TFLOP/s per rank")
     if peak_measured:
         line += f", MFU {achieved / peak_measured:.1%} of the {peak_measured:.0f} TFLOP/s measured"

@@ -40,6 +40,35 @@ def engine_vs_trainer(llm, served, seed):
     return errs
 
 
+def lockstep(llm, student, theta, base, mesh):
+    """Two students from theta, one RL step each: in one multi-adapter call (rloo.rl_steps, as
+    soar.py's LoRA students train), then again one after another, each with the seeds its requests
+    had in the shared call. Returns both runs' rewards and the largest adapter difference."""
+    import rloo
+    other = rloo.load_policy(base, mesh, seed=4, base=student.model, **OPTS)
+    batches = [[(PROMPTS[0], ""), (PROMPTS[1], "")], [(PROMPTS[2], ""), (PROMPTS[3], "")]]
+    kw = dict(prompt=lambda q: q, reward=lambda texts, _: [len(t) / 10 for t in texts], samples=4,
+              temperature=1.0, max_tokens=8, group=mesh.get_group(), micro_batch_tokens=256,
+              advantages=rloo.rloo_advantages, loss=rloo.rloo_loss)
+    runs = []
+    for together in (True, False):
+        for policy in (student, other):
+            rloo.restore(policy, theta)
+            rloo.reset_optimizer(policy, **{k: OPTS[k] for k in ("lr", "warmup_steps",
+                                                                 "total_steps")})
+        if together:
+            stats = rloo.rl_steps([student, other], llm, batches, seed=20, **kw)
+        else:
+            stats = [rloo.rl_step(student, llm, batches[0], seed=20, **kw),
+                     rloo.rl_step(other, llm, batches[1], seed=20 + len(batches[0]), **kw)]
+        runs.append(([s["rewards"] for s in stats], [rloo.snapshot(student), rloo.snapshot(other)]))
+    (rewards, snaps), (rewards_apart, snaps_apart) = runs
+    diff = max((a[k] - b[k]).abs().max().item()
+               for a, b in zip(snaps, snaps_apart) for k in a)
+    return dict(rewards=rewards, rewards_apart=rewards_apart, max_diff=diff,
+                moved=any(not torch.equal(snaps[1][k], theta[k]) for k in theta))
+
+
 def stale_sync(policy, llm):
     """the broken sync: the policy's new weights rewritten into its first folder and added under
     its first id, which the engine already holds"""
@@ -60,7 +89,7 @@ def main(out, base, mode="exact"):
     rank, world, _ = rloo.init_distributed()
     mesh = init_device_mesh("cpu", (world,))
     # processed: the sampled tokens' log-probs at the sampling temperature, as the trainer's
-    llm = rloo.build_engine(base, max_model_len=256, lora_rank=RANK,
+    llm = rloo.build_engine(base, max_model_len=256, lora_rank=RANK, max_loras=3,
                             logprobs_mode="processed_logprobs")
     if mode == "stale":
         SYNC = rloo.sync_adapter
@@ -98,6 +127,7 @@ def main(out, base, mode="exact"):
                                                 micro_batch_tokens=24))
     res["teacher_trained"] = rloo.snapshot(teacher)
     res["live_adapters"] = len(llm.llm_engine.list_loras())
+    res["lockstep"] = lockstep(llm, student, theta, base, mesh)
 
     # a promotion's restart: the student back to theta, synced
     rloo.restore(student, theta)

@@ -7,12 +7,14 @@ assert on what they wrote. peft (a test dependency) proves that our adapter fold
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
+import rloo  # noqa: E402
 from lora_worker import LR, RANK  # noqa: E402
 from rloo_dist_worker import fixed_batch, make_tiny_model  # noqa: E402
 from test_rloo import _run  # noqa: E402   (a worker under its launcher)
@@ -56,6 +58,16 @@ def test_the_engine_serves_each_adapter_as_trained(runs):
         for errs in res["errs"]:
             assert max(errs) < EXACT, res["errs"]
         assert all(not s["skipped"] and s["grad_norm"] > 0 for s in res["steps"])
+
+
+def test_students_in_one_call_equal_students_in_turn(runs):
+    """rloo.rl_steps: two adapters' rollouts in one engine call, then an update each, as one
+    rl_step after the other with the same request seeds: the same samples, the same adapters"""
+    for res in [runs["one"], *runs["two"]]:
+        lockstep = res["lockstep"]
+        assert lockstep["rewards"] == lockstep["rewards_apart"]
+        assert len(set(map(tuple, lockstep["rewards"]))) == 2   # the two students sampled apart
+        assert lockstep["moved"] and lockstep["max_diff"] < 1e-6, lockstep["max_diff"]
 
 
 def test_a_stale_adapter_is_caught(runs):
@@ -102,3 +114,16 @@ def test_peft_loads_our_adapter_folder(runs):
             logits = model(torch.tensor([p + c])).logits[0, len(p) - 1:len(p) + len(c) - 1]
             lp = torch.log_softmax(logits.float(), -1)[torch.arange(len(c)), c]
             assert (lp - ours[i, :len(c)]).abs().max() < 1e-5
+
+
+def test_one_engine_call_holds_several_policies_only_as_adapters():
+    """rloo.adapters_of: each request names its policy's adapter; one policy needs none (the
+    engine serves what was synced last); several full fine-tuned policies cannot share a call"""
+    a = SimpleNamespace(adapter={}, served="a")
+    b = SimpleNamespace(adapter={}, served="b")
+    assert rloo.adapters_of([a, b], [2, 1]) == ["a", "a", "b"]
+    assert rloo.adapters_of([a], [3]) is None
+    full = SimpleNamespace(adapter=None, served=None)
+    assert rloo.adapters_of([full], [3]) is None
+    with pytest.raises(ValueError, match="LoRA"):
+        rloo.adapters_of([a, full], [1, 1])
