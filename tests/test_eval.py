@@ -68,8 +68,9 @@ def test_count_correct_on_scripted_samples(monkeypatch):
               "q3": ["\\boxed{10}", "x", "x", "x"]}                                 # 1
     calls = []
 
-    def fake_generate(llm, prompts, *, n, temperature, max_tokens, seed, group=None, meter=None):
-        calls.append((len(prompts), seed))
+    def fake_generate(llm, prompts, *, n, temperature, max_tokens, seed, group=None,
+                      adapters=None, meter=None):
+        calls.append((len(prompts), seed, adapters))
         qs = [p.rsplit("User: ", 1)[1].rsplit(" Assistant:", 1)[0] for p in prompts]
         return [[Sample(script[q][i], [], []) for i in range(n)] for q in qs]
 
@@ -80,7 +81,10 @@ def test_count_correct_on_scripted_samples(monkeypatch):
 
     assert counts() == [2, 4, 0, 1]
     assert counts(chunk_prompts=3) == [2, 4, 0, 1]
-    assert calls[-2:] == [(3, 100), (1, 103)]              # request i keeps seed + i across chunks
+    assert calls[-2:] == [(3, 100, None), (1, 103, None)]  # request i keeps seed + i across chunks
+    # LoRA: each problem's adapter goes with it into its chunk
+    assert counts(chunk_prompts=3, adapters=["a", "a", "b", "b"]) == [2, 4, 0, 1]
+    assert calls[-2:] == [(3, 100, ["a", "a", "b"]), (1, 103, ["b"])]
 
 # ---- the early-stopping rule ----
 def test_early_stop_exponential_saturation():
