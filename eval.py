@@ -55,6 +55,9 @@ class Config:
     intrinsic: str = launch.flag("",
         "`soar.py --reward learnability` --out (intrinsic-t); report: list")
     opensir: str = launch.flag("", "`soar.py --reward opensir` --out (opensir-t); report: list")
+    populora: str = launch.flag("", "populora.py --out (the populora row)")
+    populora_single: str = launch.flag("",
+        "`populora.py --single_agent` --out (the populora-single row)")
     labels: str = launch.flag("",
         "pq-* rows with --model: jsonl of PQ question, correct, well_posed")
     extra: str = launch.flag("",
@@ -173,6 +176,10 @@ ROWS = {  # the paper's Tables 4-6 rows, in its order (the report keeps it); a n
     "pq-wellposed": Row("the same on the well-posed promotion questions, answers correct or not "
                         "(or --labels)", file="{soar}/pq.jsonl", keep="wellposed"),
     "ps": Row("SOAR's promoted student, inference only", model="{soar}/student"),
+    "populora": Row("PopuLoRA's students, inference only: each one's pass@k and their mean",
+                    model="{populora}/students"),
+    "populora-single": Row("PopuLoRA's single-agent baseline, inference only",
+                           model="{populora_single}/students"),
     "grounded-t": Row("fresh student on 128 questions of SOAR's teacher + hard train",
                       teacher="{soar}/teacher"),
     "opensir-t": Row("fresh student on 128 questions of the OpenSIR-style teacher + hard train",
@@ -388,6 +395,15 @@ def eval_passk(llm, test: list[dict], cfg: Config, seed: int, key) -> dict:
     return {**mean_passk(counts, cfg.passk_samples), "solved": sum(c > 0 for c in counts)}
 
 
+def members(path: str) -> list[str]:
+    """the models in `path`: itself, or for a population's folder (populora.py's students/) each
+    member's adapter folder"""
+    if os.path.exists(os.path.join(path, "config.json")) or rloo.adapter_rank(path):
+        return [path]
+    return [os.path.join(path, name) for name in sorted(os.listdir(path))
+            if "." not in name]   # (not the versions, <name>.v<N>, the names link to)
+
+
 def serve(path: str, mesh, llm) -> None:
     """The model in `path` into the engines: a PEFT adapter folder (a LoRA run's teacher/ or
     student/) as an adapter on the engine's base, else an HF folder as a sharded policy, only to
@@ -417,11 +433,19 @@ def teacher_questions(path: str, cfg: Config, seed: int, llm, tok, mesh) -> list
 
 def inference_run(cfg: Config, seed: int, method: str, path: str, llm, mesh, test,
                   out: str) -> dict:
-    """base / ps rows: pass@k of the model in `path` on the test split, sampling seed `seed`."""
-    serve(path, mesh, llm)
-    res = dict(method=method, test=cfg.test, seed=seed, model=path,
-               passk={k: v for k, v in eval_passk(llm, test, cfg, seed, "inference").items()
-                      if k.startswith("pass@")})
+    """base / ps / populora rows: pass@k of the model in `path` on the test split, sampling seed
+    `seed`; of a population (members), each member's (in `members`) and their mean."""
+    per_member = {}
+    for model in members(path):
+        serve(model, mesh, llm)
+        per_member[os.path.basename(model)] = {
+            k: v for k, v in eval_passk(llm, test, cfg, seed, "inference").items()
+            if k.startswith("pass@")}
+    passk = {k: statistics.mean(p[k] for p in per_member.values())
+             for k in next(iter(per_member.values()))}
+    res = dict(method=method, test=cfg.test, seed=seed, model=path, passk=passk)
+    if len(per_member) > 1:
+        res["members"] = per_member
     if rloo.rank0():
         data.write_json(os.path.join(out, "result.json"), res)
     return res
@@ -576,7 +600,7 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
     if missing := missing_inputs(rows, cfg):   # before the world is built
         raise launch.UsageError(f"missing inputs (method: path or flag): {missing}")
     for path in {path_of(t, cfg) for r in rows.values() for t in (r.model, r.teacher)
-                 if t and "{model}" not in t}:   # a soar.py run's teacher/ or student/
+                 if t and os.path.basename(t) in ("teacher", "student")}:   # a soar.py run's
         if behind := launch.hf_behind(os.path.dirname(path), names=[os.path.basename(path)]):
             raise launch.UsageError(f"{behind[0]} is behind its run's checkpoint: rerun "
                                     "that soar.py command to finish writing it")
@@ -596,8 +620,8 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
     files = {r.file: launch.problems(path_of(r.file, cfg)) for r in rows.values() if r.file}
     mesh, tok, llm = setup(cfg, [hard, test, *files.values()],
                            teacher=any(r.teacher for r in rows.values()),
-                           served=[path_of(t, cfg) for r in rows.values()
-                                   for t in (r.model, r.teacher) if t])
+                           served=[m for r in rows.values() for t in (r.model, r.teacher)
+                                   if t and "{model}" not in t for m in members(path_of(t, cfg))])
     for method, row in rows.items():
         for seed in seeds(cfg):
             out = run_dir(cfg, method, seed)

@@ -445,16 +445,20 @@ def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
     return model
 
 
-def _lr_lambda(warmup: int, total: int):
-    # linear warmup (step 0 already gets 1/warmup of the lr) then cosine decay to 0 at total
+def _lr_lambda(warmup: int, total: int | None):
+    # linear warmup (step 0 already gets 1/warmup of the lr) then cosine decay to 0 at total (None:
+    # no decay)
     def f(step):
         if step < warmup:
             return (step + 1) / warmup
+        if total is None:
+            return 1.0
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
     return f
 
 
-def reset_optimizer(policy: Policy, *, lr: float, warmup_steps: int, total_steps: int) -> None:
+def reset_optimizer(policy: Policy, *, lr: float, warmup_steps: int,
+                    total_steps: int | None) -> None:
     """fresh AdamW state + schedule (every student inner loop starts one)"""
     policy.optimizer = torch.optim.AdamW(trainable(policy).values(), lr=lr, betas=ADAM_BETAS,
                                          eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
@@ -473,7 +477,7 @@ def prompt_pass(choice: str, device_type: str) -> bool:
     return choice == "shared"
 
 
-def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: int,
+def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: int | None,
                 kl_coef: float = 0.001, grad_clip: float = 1.0,
                 activation_checkpointing: bool = False, prompts: str = "auto",
                 lora_rank: int = 0, lora_alpha: float = 32.0, base=None,

@@ -1,5 +1,5 @@
-"""Helpers of the end-to-end tests: soar.py under torchrun with 2 ranks on the small built-in world,
-reading what it wrote, and killing what it started."""
+"""Helpers of the end-to-end tests: soar.py and populora.py under torchrun with 2 ranks on the small
+built-in world, reading what they wrote, and killing what they started."""
 import glob
 import json
 import os
@@ -19,10 +19,16 @@ TIMING = {"teacher_generation", "student_rollouts", "student_training", "evaluat
 
 
 def soar(out, *extra, wait=True, **popen):
-    """soar.py FLAGS extra on `out`: run to the end (a CompletedProcess), or started (a Popen whose
-    pid is torchrun's, in a session of its own); popen: more subprocess arguments"""
+    """soar.py FLAGS extra on `out` (torchrun)"""
+    return torchrun("soar.py", out, *FLAGS, *extra, wait=wait, **popen)
+
+
+def torchrun(script, out, *args, wait=True, **popen):
+    """the script with args on `out` under torchrun with 2 ranks: run to the end (a
+    CompletedProcess), or started (a Popen whose pid is torchrun's, in a session of its own); popen:
+    more subprocess arguments"""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "soar.py"), "--out", str(out), *FLAGS, *extra]
+           os.path.join(ROOT, script), "--out", str(out), *args]
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, **popen)

@@ -1,5 +1,6 @@
 """The shape of the code: two libraries that stand alone (rloo.py, data.py), launch.py and the
-built-in world on top of them, two scripts that import only those; docs that stand on their own."""
+built-in world on top of them, three scripts that import only those; docs that stand on their
+own."""
 import ast
 import glob
 import json
@@ -11,11 +12,13 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OURS = {"data", "launch", "rloo", "world", "soar", "eval"}
+OURS = {"data", "launch", "rloo", "world", "soar", "eval", "populora"}
+SCRIPTS = {"soar", "eval", "populora"}
 # what each module may pull in, directly or through another one
 ALLOWED = {"data": {"data"}, "rloo": {"rloo"}, "launch": {"launch", "rloo", "data"},
            "world": {"world", "data"}, "soar": {"soar", "rloo", "launch", "data", "world"},
-           "eval": {"eval", "rloo", "launch", "data", "world"}}
+           "eval": {"eval", "rloo", "launch", "data", "world"},
+           "populora": {"populora", "rloo", "launch", "data", "world"}}
 # what the stand-alone libraries may import at all (their own file aside)
 STANDALONE = {"rloo": {"torch", "transformers", "vllm", "numpy", "safetensors"},
               "data": {"numpy", "math_verify", "pyarrow", "huggingface_hub", "torch",
@@ -55,7 +58,7 @@ def test_nothing_imports_a_script():
         for node in ast.walk(ast.parse(open(path).read())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) else []
-            assert not {"soar", "eval"} & set(names), f"{path} imports a script"
+            assert not SCRIPTS & set(names), f"{path} imports a script"
 
 
 def docs_and_code():
@@ -85,6 +88,7 @@ def test_top_level_holds_the_design_card():
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True,
                              text=True).stdout.split()
     top = {f.split("/")[0] for f in tracked if not f.startswith(".")}
-    assert top == {"soar.py", "rloo.py", "launch.py", "data.py", "eval.py", "world.py", "README.md",
+    assert top == {"soar.py", "rloo.py", "launch.py", "data.py", "eval.py", "world.py",
+                   "populora.py", "README.md",
                    "METHOD.md", "requirements.txt", "run.sh", "soar.sbatch", "tests", "bench",
                    "docs", "pyproject.toml"}   # (soar.sbatch: run.sh's counterpart on SLURM)

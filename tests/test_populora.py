@@ -1,0 +1,179 @@
+"""
+PopuLoRA (populora.py): its ratings, matchmaking and evolution operators as pure functions on
+hand-built inputs, and whole runs on the real engines (2 ranks under torchrun, the small world):
+a run killed after a round and resumed equals an uninterrupted one; the single-agent baseline.
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+import populora as pl  # noqa: E402
+from soar_runs import ROOT, kill_all, rows, torchrun, wait_for  # noqa: E402
+
+# 2 teachers, 2 students, 3 rounds, evolution after round 2
+FLAGS = ["--world", "small", "--teachers", "2", "--students", "2", "--rounds", "3",
+         "--proposals", "4", "--student_samples", "4", "--evolve_every", "2"]
+TIMING = {"sync", "teacher_generation", "student_rollouts", "student_training", "teacher_update",
+          "total"}
+
+
+# ---- ratings and matchmaking ----
+def test_elo_is_zero_sum_and_moves_by_surprise():
+    assert pl.expected(1000, 1000) == 0.5
+    assert pl.expected(1200, 1000) + pl.expected(1000, 1200) == pytest.approx(1.0)
+    t, s = pl.elo_update(1000.0, 1000.0, 1.0)         # the student solved everything
+    assert s == pytest.approx(1000 + pl.ELO_K / 2) and t + s == pytest.approx(2000)
+    t, s = pl.elo_update(1000.0, 1000.0, 0.5)         # as expected: nothing moves
+    assert (t, s) == (1000.0, 1000.0)
+    t, s = pl.elo_update(1400.0, 1000.0, 0.5)         # a weak student matching a strong teacher
+    assert s > 1000.0 and t < 1400.0
+
+
+def test_matchmaking_favours_even_matches():
+    weights = pl.pfsp_weights(1000.0, [1000.0, 1300.0, 700.0, 1600.0])
+    assert weights[0] == max(weights) == 0.25 and weights[3] == min(weights)
+    assert weights[1] == pytest.approx(weights[2])   # as far above as below
+    picks = [pl.match([1000.0], [1000.0, 1600.0], random.Random(i))[0] for i in range(400)]
+    assert picks.count(0) > 3 * picks.count(1) > 0   # mostly the level student, not only it
+    assert pl.match([1000.0, 1300.0], [900.0, 1300.0], random.Random(5)) == \
+        pl.match([1000.0, 1300.0], [900.0, 1300.0], random.Random(5))   # seeded
+
+
+def test_the_lowest_rated_is_replaced_by_the_two_best():
+    assert pl.replacement([1000.0, 1100.0, 950.0, 1050.0]) == (2, 1, 3)
+    assert pl.replacement([1000.0, 1000.0]) == (1, 0, 1)   # ties: the first ranks higher
+    assert pl.replacement([1000.0]) is None
+
+
+# ---- evolution operators ----
+def adapter(seed, layers=6, rank=4):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(layers):
+        out[f"model.layers.{i}.mlp.up_proj.lora_A"] = torch.randn(rank, 8, generator=g)
+        out[f"model.layers.{i}.mlp.up_proj.lora_B"] = torch.randn(16, rank, generator=g)
+    return out
+
+
+def layer_from(child, parent, layer):
+    return all(torch.equal(child[f"{layer}.lora_{m}"], parent[f"{layer}.lora_{m}"]) for m in "AB")
+
+
+def test_crossover_keeps_rank_and_takes_each_layer_whole():
+    a, b = adapter(0), adapter(1)
+    child = pl.crossover_layers(a, b, seed=3)
+    assert {n: t.shape for n, t in child.items()} == {n: t.shape for n, t in a.items()}
+    sources = set()
+    for i in range(6):
+        layer = f"model.layers.{i}.mlp.up_proj"
+        from_a = layer_from(child, a, layer)
+        assert from_a or layer_from(child, b, layer)   # A and B of a layer from one parent
+        sources.add(from_a)
+    assert sources == {True, False}        # both parents contribute (6 fair coins, seed 3)
+    assert all(torch.equal(child[n], pl.crossover_layers(a, b, seed=3)[n]) for n in a)
+    same = pl.crossover_layers(a, a, seed=7)
+    assert all(torch.equal(same[n], a[n]) for n in a)   # equal parents: the parent
+
+
+def test_mutation_keeps_rank_is_finite_and_seeded():
+    a = adapter(0)
+    a["model.layers.0.mlp.up_proj.lora_B"] = torch.zeros(16, 4)   # a fresh B
+    m1, m2, m3 = (pl.mutate_gaussian(a, 0.1, seed) for seed in (1, 1, 2))
+    assert all(m1[n].shape == a[n].shape and torch.isfinite(m1[n]).all() for n in a)
+    assert all(torch.equal(m1[n], m2[n]) for n in a)
+    assert not torch.equal(m1["model.layers.1.mlp.up_proj.lora_A"],
+                           m3["model.layers.1.mlp.up_proj.lora_A"])
+    assert torch.equal(m1["model.layers.0.mlp.up_proj.lora_B"], torch.zeros(16, 4))
+    t = "model.layers.2.mlp.up_proj.lora_A"
+    assert 0 < ((m1[t] - a[t]).pow(2).mean() / a[t].pow(2).mean()).sqrt() < 0.2   # ~sigma of RMS
+
+
+# ---- whole runs ----
+def without_timing(metrics):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in metrics]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """a population run to the end; the same run killed once its round-1 checkpoint exists, then
+    resumed; and the single-agent baseline"""
+    d = tmp_path_factory.mktemp("populora")
+    whole = torchrun("populora.py", d / "whole", *FLAGS)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    p = torchrun("populora.py", d / "killed", *FLAGS, wait=False)
+    wait_for(d / "killed" / "ckpt" / "step-1", p, delay=0.3)
+    kill_all(p)
+    resumed = torchrun("populora.py", d / "killed", *FLAGS)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    single = torchrun("populora.py", d / "single", *FLAGS, "--single_agent", "--teachers", "1",
+                      "--students", "1")
+    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
+    return d, resumed.stdout
+
+
+def test_a_resumed_population_run_equals_an_uninterrupted_one(runs):
+    d, log = runs
+    assert "resuming at round" in log
+    whole = rows(d / "whole" / "metrics.jsonl")
+    assert without_timing(rows(d / "killed" / "metrics.jsonl")) == without_timing(whole)
+    assert rows(d / "killed" / "questions.jsonl") == rows(d / "whole" / "questions.jsonl")
+    assert [r["round"] for r in whole] == [0, 1, 2]
+    assert set(whole[1]["evolved"]) == {"teachers", "students"}   # after round 2 of 3
+
+
+def test_outputs_are_adapters_on_one_base(runs):
+    d, _ = runs
+    out = d / "whole"
+    assert sorted(os.listdir(out / "ckpt" / "step-3")) == ["rows", "s0", "s1", "state.json",
+                                                           "t0", "t1"]
+    for kind, name in (("teachers", "t0"), ("teachers", "t1"), ("students", "s0"),
+                       ("students", "s1")):
+        folder = out / kind / name
+        assert json.loads((folder / "adapter_config.json").read_text())["r"] == 8
+        assert json.loads((folder / "populora.json").read_text()) == {"round": 3}
+    first = rows(out / "metrics.jsonl")[0]   # before any evolution, matches are zero-sum
+    assert sum(first["teacher_ratings"]) + sum(first["student_ratings"]) == \
+        pytest.approx(4 * pl.ELO_START, abs=0.05)
+    for q in rows(out / "questions.jsonl"):   # the world's checker passed every problem kept
+        assert pl.world.describe(q["question"], q["answer"])["correct"]
+
+
+def test_the_single_agent_baseline_is_one_adapter(runs):
+    d, _ = runs
+    out = d / "single"
+    assert sorted(os.listdir(out / "ckpt" / "step-3")) == ["rows", "state.json", "t0"]
+    assert (out / "students" / "s0" / "adapter_config.json").exists()   # for eval.py's row
+    assert all(r["pairs"] == [0] and r["evolved"] == {} for r in rows(out / "metrics.jsonl"))
+
+
+def test_single_agent_with_a_population_is_a_usage_error(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "populora.py"), "--world", "small",
+                        "--single_agent", "--out", str(tmp_path / "x")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "populora.py: error: --single_agent plays one adapter in both roles" in p.stderr
+
+
+def test_eval_rows_of_a_population_and_its_baseline(runs, tmp_path):
+    """eval.py row populora: each student adapter's pass@k and their mean; populora-single"""
+    d, _ = runs
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "2", os.path.join(ROOT, "eval.py"), "row", "populora",
+                        "populora-single", "--populora", str(d / "whole"), "--populora_single",
+                        str(d / "single"), "--runs", str(tmp_path), "--world", "small",
+                        "--seeds", "0", "--passk_samples", "4"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((tmp_path / "populora" / "seed0" / "result.json").read_text())
+    assert sorted(res["members"]) == ["s0", "s1"]
+    for k, v in res["passk"].items():
+        assert v == pytest.approx(sum(m[k] for m in res["members"].values()) / 2)
+    single = json.loads((tmp_path / "populora-single" / "seed0" / "result.json").read_text())
+    assert "members" not in single and set(single["passk"]) == {"pass@1", "pass@4"}
