@@ -55,9 +55,9 @@ class Config:
     intrinsic: str = launch.flag("",
         "`soar.py --reward learnability` --out (intrinsic-t); report: list")
     opensir: str = launch.flag("", "`soar.py --reward opensir` --out (opensir-t); report: list")
-    populora: str = launch.flag("", "populora.py --out (the populora row)")
+    populora: str = launch.flag("", "populora.py --out (the populora row); report: list")
     populora_single: str = launch.flag("",
-        "`populora.py --single_agent` --out (the populora-single row)")
+        "`populora.py --single_agent` --out (the populora-single row); report: list")
     labels: str = launch.flag("",
         "pq-* rows with --model: jsonl of PQ question, correct, well_posed")
     extra: str = launch.flag("",
@@ -139,6 +139,7 @@ KS = (1, 4, 8, 16, 32)
 LEEPS_WINDOW = 20       # steps over which each portfolio's share of non-trivial groups is measured
 LEEPS_NEIGHBOURS = 8    # nearest neighbours whose outcomes rank an explore question
 TEACHER_ROUNDS = 8      # rejection-sampling rounds for a teacher's questions (teacher_questions)
+ROUND_VENDI_SUBSET = 8  # the report's Vendi per PopuLoRA round: of this many problems (one agent's)
 MAY_CHANGE = {"prompt_pass", "runs", "out", "seeds", "ckpt_every", "micro_batch_tokens",
               "activation_checkpointing", "gpu_memory_utilization", "verbose", "wandb",
               "wandb_name"}   # settings a resumed run may change
@@ -908,18 +909,126 @@ def teacher_learning(runs: dict[str, dict]) -> list[str]:
             (i for i, m in enumerate(r["metrics"]) if m["promoted"]), len(r["metrics"]))]]
         a = statistics.fmean(len(set(m["R_k"])) > 1 for m in before) if before else math.nan
         b = slope_ci([[m["reward"] for m in r["metrics"]] for r in rs])
-        first, last = [], []   # per run: the useful share in its first and in its last quarter
-        for r in rs:
-            shares = [sum(v[c] for c in world.USEFUL) for v in r["curriculum"].values()]
-            if shares:   # a run from before soar.py wrote questions.jsonl has none
-                q = max(1, len(shares) // 4)
-                first.append(statistics.fmean(shares[:q]))
-                last.append(statistics.fmean(shares[-q:]))
-        c = ("{:.0%} ± {:.0%} -> {:.0%} ± {:.0%}".format(*mean_std(first), *mean_std(last))
-             if first else "-")
+        shares = [[sum(v[c] for c in world.USEFUL) for v in r["curriculum"].values()]
+                  for r in rs]
+        c = first_to_last([s for s in shares if s], "{:.0%}")   # (none before questions.jsonl)
         lines.append(f"| {reward} | {len(rs)} | {min(len(r['metrics']) for r in rs)} | {a:.0%} of "
                      f"{len(before)} | " "{:+.4f} [{:+.4f}, {:+.4f}] | {} |".format(*b, c))
     return lines
+
+
+def first_to_last(curves: list[list[float]], fmt: str) -> str:
+    """'first -> last' quarter of each curve (one per run), each mean ± std over the runs"""
+    if not curves:
+        return "-"
+    first = [statistics.fmean(c[:max(1, len(c) // 4)]) for c in curves]
+    last = [statistics.fmean(c[-max(1, len(c) // 4):]) for c in curves]
+    pair = f"{fmt} ± {fmt}"
+    return pair.format(*mean_std(first)) + " -> " + pair.format(*mean_std(last))
+
+
+def population_table(results: list[dict]) -> list[str]:
+    """PopuLoRA's claims on the test split (result.json's `members`): the population's mean, best
+    and worst student beside the single-agent baseline, paired by seed (95% bootstrap CI)."""
+    rs = [r for r in results if r["method"] == "populora" and "members" in r]
+    single = {(r["test"], r["seed"]): r for r in results if r["method"] == "populora-single"}
+    if not rs:
+        return []
+    k = passk_keys(rs)[-1]
+    lines = [f"## PopuLoRA: the population's students ({k}, %)", "",
+             "| test | seeds | mean | best | worst | single agent | mean - single [95% CI] "
+             "| worst - single [95% CI] |", "|---|---|---|---|---|---|---|---|"]
+    for test in sorted({r["test"] for r in rs}):
+        runs = [r for r in rs if r["test"] == test]
+        member_passk = [[100 * m[k] for m in r["members"].values()] for r in runs]
+        cells = ["{:.1f} ± {:.1f}".format(*mean_std([f(p) for p in member_passk]))
+                 for f in (statistics.fmean, max, min)]
+        pairs = [(p, 100 * single[test, r["seed"]]["passk"][k])
+                 for r, p in zip(runs, member_passk) if (test, r["seed"]) in single]
+        base = "{:.1f} ± {:.1f}".format(*mean_std([b for _, b in pairs])) if pairs else "-"
+        deltas = []
+        for f in (statistics.fmean, min):
+            diffs = [f(p) - b for p, b in pairs]
+            deltas.append("{:+.1f} [{:+.1f}, {:+.1f}]".format(statistics.fmean(diffs),
+                                                              *paired_ci(diffs)) if diffs else "-")
+        lines.append(f"| {os.path.basename(test)} | {len(runs)} | " + " | ".join(cells)
+                     + f" | {base} | " + " | ".join(deltas) + " |")
+    return lines + [""]
+
+
+def population_runs(cfg: Config) -> dict[str, dict]:
+    """The populora.py runs of --populora and --populora_single (comma lists) with a finished
+    round, and per round what their students solved (population_rounds)."""
+    runs = {}
+    for method, folders in (("populora", cfg.populora), ("populora-single", cfg.populora_single)):
+        for d in filter(None, folders.split(",")):
+            questions = data.read_jsonl(os.path.join(d, "questions.jsonl"))
+            if questions:
+                runs[d] = dict(method=method, rounds=population_rounds(questions, cfg.embed))
+    return runs
+
+
+def population_rounds(questions: list[dict], embed: str) -> list[dict]:
+    """Per round of a populora.py run, over its problems that passed every check: the students'
+    mean solve rate; the difficulty (the world's steps per problem); coverage: the Vendi score of
+    ROUND_VENDI_SUBSET problems (a population writes more a round than one agent), the share of
+    world.USEFUL and the world's kinds (kind, steps, "gives away" steps) seen so far."""
+    by_round = {}
+    for q in questions:
+        by_round.setdefault(q["round"], []).append(q)
+    seen = set()
+    rounds = []
+    for rnd, qs in sorted(by_round.items()):
+        described = [world.describe(q["question"], q["answer"]) for q in qs]
+        seen |= {(d["kind"], d["steps"], d["gives_away"]) for d in described if d["well_posed"]}
+        rounds.append(dict(round=rnd,
+                           solve_rate=statistics.fmean(q["solve_rate"] for q in qs),
+                           steps=statistics.fmean(d["steps"] for d in described),
+                           vendi=data.vendi_bootstrap(
+                               data.embed([q["question"] for q in qs], embed),
+                               ROUND_VENDI_SUBSET, draws=20)[0],
+                           useful=statistics.fmean(d["category"] in world.USEFUL
+                                                   for d in described),
+                           kinds=len(seen)))
+    return rounds
+
+
+POPULATION_PANELS = {"solve_rate": "students' solve rate", "steps": "difficulty: steps per problem",
+                     "vendi": f"Vendi of {ROUND_VENDI_SUBSET} of the round's problems",
+                     "useful": "share of world.USEFUL", "kinds": "world kinds seen so far"}
+
+
+def population_summary(runs: dict[str, dict]) -> list[str]:
+    """per method, each POPULATION_PANELS measure's first -> last quarter of the rounds"""
+    lines = ["| run | runs | " + " | ".join(f"{t}, first -> last quarter"
+                                            for t in POPULATION_PANELS.values()) + " |",
+             "|---|---|" + "---|" * len(POPULATION_PANELS)]
+    for method in ordered({r["method"] for r in runs.values()}):
+        rs = [r["rounds"] for r in runs.values() if r["method"] == method]
+        cells = [first_to_last([[x[key] for x in r] for r in rs], "{:.2f}")
+                 for key in POPULATION_PANELS]
+        lines.append(f"| {method} | {len(rs)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot_populations(runs: dict[str, dict], path: str) -> None:
+    """PopuLoRA over its rounds, a panel per POPULATION_PANELS measure and a line per run: the
+    populations solid, the single agent dashed."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(POPULATION_PANELS), figsize=(3.2 * len(POPULATION_PANELS), 2.8),
+                             squeeze=False)
+    for ax, (key, title) in zip(axes[0], POPULATION_PANELS.items()):
+        for d, r in runs.items():
+            single = r["method"] == "populora-single"
+            ax.plot([x["round"] for x in r["rounds"]], [x[key] for x in r["rounds"]],
+                    ls="--" if single else "-", color="tab:orange" if single else "tab:blue",
+                    alpha=0.7, marker=".", label=f"{r['method']}: {os.path.basename(d)}")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("round")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_curriculum(runs: dict[str, dict], path: str) -> None:
@@ -952,7 +1061,8 @@ def plot_curriculum(runs: dict[str, dict], path: str) -> None:
 def cmd_report(cfg: Config, args=()) -> str:
     """report.md in --out (default --runs): a table per test split from every result.json under
     --runs, the Vendi score of every question set in sight (each --soar run's PQ, the teachers'
-    samples), plots curves.png (fresh students) and soar.png (each --soar run's metrics.jsonl)."""
+    samples), plots curves.png (fresh students) and soar.png (each --soar run's metrics.jsonl);
+    with --populora: the populations' students and populations.png (their rounds)."""
     import matplotlib   # the plots' functions import it, not the top: only the report plots
     matplotlib.use("Agg")
     out = cfg.out or cfg.runs
@@ -992,6 +1102,12 @@ def cmd_report(cfg: Config, args=()) -> str:
         plot_curriculum(teachers, os.path.join(out, "curriculum.png"))  # built-in world questions
         lines += ["## What the teachers wrote (built-in world)", "",
                   "![curriculum](curriculum.png)", ""]
+    lines += population_table(results)
+    populations = population_runs(cfg)
+    if populations:
+        plot_populations(populations, os.path.join(out, "populations.png"))
+        lines += ["## PopuLoRA over training (problems that passed every check)", "",
+                  *population_summary(populations), "", "![populations](populations.png)", ""]
     text = "\n".join(lines)
     data.write_text(os.path.join(out, "report.md"), text)
     log_tables(cfg, results, [os.path.join(out, f) for f in re.findall(r"\]\((\w+\.png)\)", text)])

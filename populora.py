@@ -79,9 +79,12 @@ class Config:
     verbose: bool = launch.flag(False, "keep vLLM's warnings and load bars on the console")
 
 
-# the built-in world's settings: world.PRESET, with the LoRA learning rate chosen for the world on
-# its train split (docs/lora.md)
-PRESET = {**world.PRESET, "teacher_lr": 3e-3, "student_lr": 3e-3, "lora_rank": 8}
+# the built-in world's settings: world.PRESET's sampling, with the LoRA rank and learning rate
+# chosen for the world on its train split (docs/lora.md). Not its `students`: that is SOAR's r.
+PRESET_FROM_WORLD = ("student_samples", "student_max_tokens", "teacher_max_tokens",
+                     "activation_checkpointing")
+PRESET = {key: world.PRESET[key] for key in PRESET_FROM_WORLD}
+PRESET.update(teacher_lr=3e-3, student_lr=3e-3, lora_rank=8)
 # ratings (METHOD.md "PopuLoRA"): Elo, every member starting level
 ELO_START = 1000.0
 ELO_K = 32.0

@@ -71,6 +71,7 @@ ENGINE_SHARE = 0.3     # soar.py --gpu_memory_utilization
 # reference, the engine's share; docs/scale.md); other shapes scaled by width x depth (an estimate)
 ACTIVATION_GIB = 12.0
 ASSUMED_MFU = 0.4      # for the training hours of --memory_table (docs/scale.md measured 40-48%)
+POPULATION = (8, 8)    # populora.py's largest reported population: teachers, students
 
 
 def make_model(path, shape, dev):
@@ -143,6 +144,15 @@ def memory_table(shape: str, rank: int) -> str:
                  "generation, evaluation and the teacher come on top. Activations: "
                  f"{ACTIVATION_GIB:.0f} GiB measured on 3B (full fine-tuning), scaled by width "
                  "x depth.")
+    teachers, students = POPULATION
+    total = {gpu: ENGINE_SHARE * mem + base + (teachers + students) * per_adapter + act
+             for gpu, mem in GPUS.items()}
+    lines.append(f"PopuLoRA {teachers}T-{students}S (populora.py: every rank holds every adapter): "
+                 f"engine {ENGINE_SHARE:.0%} of the GPU + base {base:.1f} + adapters "
+                 f"{(teachers + students) * per_adapter:.1f} + activations {act:.0f} = "
+                 f"{total['H100']:.0f} / {total['H200']:.0f} GiB per rank on H100 / H200, on any "
+                 "number of GPUs: ranks split the samples and replicate the adapters (the "
+                 "trainer's base, sharded, is counted whole: an upper bound).")
     return "\n".join(lines)
 
 

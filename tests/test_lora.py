@@ -127,3 +127,19 @@ def test_one_engine_call_holds_several_policies_only_as_adapters():
     assert rloo.adapters_of([full], [3]) is None
     with pytest.raises(ValueError, match="LoRA"):
         rloo.adapters_of([a, full], [1, 1])
+
+
+def test_the_memory_table_counts_adapters_from_the_config():
+    """bench --memory_table on Llama-3.2-3B's shape, rank 32: an adapter is 48.6 M parameters
+    (issue #39's arithmetic), and PopuLoRA's 8 + 8 hold sixteen of them on every rank"""
+    import importlib.util
+    path = os.path.join(os.path.dirname(HERE), "bench", "bench_rloo.py")
+    spec = importlib.util.spec_from_file_location("bench_rloo", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    text = bench.memory_table("llama3b", 32)
+    assert "an adapter 48.6 M" in text
+    per_adapter = 16 * 48.6e6 / 2 ** 30   # fp32 weights, gradients and AdamW's two moments
+    assert f"adapters {16 * per_adapter:.1f}" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 6   # the header, then 1 to 32 GPUs

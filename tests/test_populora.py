@@ -153,6 +153,26 @@ def test_the_single_agent_baseline_is_one_adapter(runs):
     assert all(r["pairs"] == [0] and r["evolved"] == {} for r in rows(out / "metrics.jsonl"))
 
 
+def test_the_default_population_is_four_and_four():
+    """the world preset sets the world's sampling and LoRA settings, never the population"""
+    cfg = pl.parse_args([])
+    assert (cfg.teachers, cfg.students) == (4, 4)
+    assert (cfg.lora_rank, cfg.student_lr) == (8, 3e-3)
+
+
+def test_with_a_model_a_problem_is_valid_when_a_student_agrees(runs, tmp_path):
+    """--model (real math: no world checker): a problem stays valid only if one of its student's
+    samples reaches the teacher's answer (METHOD.md "PopuLoRA", the agreement rule)"""
+    model = pl.world.build_world(small=True)["model"]   # built by the runs fixture
+    tokens = str(pl.world.MAX_TOKENS)
+    p = torchrun("populora.py", tmp_path / "agree", *FLAGS[2:], "--rounds", "1", "--model", model,
+                 "--student_max_tokens", tokens, "--teacher_max_tokens", tokens,
+                 "--lora_rank", "8", "--teacher_lr", "3e-3", "--student_lr", "3e-3")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    kept = rows(tmp_path / "agree" / "questions.jsonl")
+    assert kept and all(q["solve_rate"] > 0 for q in kept)
+
+
 def test_single_agent_with_a_population_is_a_usage_error(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "populora.py"), "--world", "small",
                         "--single_agent", "--out", str(tmp_path / "x")], cwd=ROOT,
@@ -162,7 +182,8 @@ def test_single_agent_with_a_population_is_a_usage_error(tmp_path):
 
 
 def test_eval_rows_of_a_population_and_its_baseline(runs, tmp_path):
-    """eval.py row populora: each student adapter's pass@k and their mean; populora-single"""
+    """eval.py row populora: each student adapter's pass@k and their mean; populora-single; the
+    report's population table (mean, best, worst student beside the single agent) and rounds"""
     d, _ = runs
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc_per_node", "2", os.path.join(ROOT, "eval.py"), "row", "populora",
@@ -177,3 +198,14 @@ def test_eval_rows_of_a_population_and_its_baseline(runs, tmp_path):
         assert v == pytest.approx(sum(m[k] for m in res["members"].values()) / 2)
     single = json.loads((tmp_path / "populora-single" / "seed0" / "result.json").read_text())
     assert "members" not in single and set(single["passk"]) == {"pass@1", "pass@4"}
+    report = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "report", "--runs",
+                             str(tmp_path), "--soar", "", "--world", "small", "--populora",
+                             str(d / "whole"), "--populora_single", str(d / "single")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert report.returncode == 0, report.stderr[-3000:]
+    members = [100 * m["pass@4"] for m in res["members"].values()]
+    best_worst = "{:.1f} ± 0.0 | {:.1f} ± 0.0".format(max(members), min(members))
+    assert best_worst in report.stdout   # the population table's best and worst columns
+    per_run = [line for line in report.stdout.splitlines() if line.startswith("| populora")]
+    assert len(per_run) == 2 + 2   # a pass@k row and a rounds row for each of the two runs
+    assert (tmp_path / "populations.png").stat().st_size > 0
