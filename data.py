@@ -498,7 +498,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="data.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source",
-                   help="math, harp or olympiad (from the hub), or a .jsonl / .parquet / .zip file")
+                   help="math, harp or olympiad (from the hub), or a .jsonl / .parquet file")
     p.add_argument("out", help="the .jsonl file to write")
     return p.parse_args(argv)
 

@@ -360,10 +360,12 @@ def leeps(n: int, emb: np.ndarray, history: list[dict], size: int, rng: random.R
     promising first by the cosine-weighted share of such groups among their LEEPS_NEIGHBOURS nearest
     drawn neighbours (`emb` rows). The budget splits by each portfolio's share of such groups in the
     last LEEPS_WINDOW steps. history: earlier steps' questions, portfolio, nontrivial."""
-    last, when = {}, {}
+    last = {}   # question: was its last group non-trivial
+    when = {}   # question: the step it was last drawn
     for s, h in enumerate(history):
         for i, nt in zip(h["questions"], h["nontrivial"]):
-            last[i], when[i] = nt, s
+            last[i] = nt
+            when[i] = s
     recent = [(p, nt) for h in history[-LEEPS_WINDOW:]
               for p, nt in zip(h["portfolio"], h["nontrivial"])]
     ratio = {p: (sum(nt for q, nt in recent if q == p) + 1) / (sum(q == p for q, _ in recent) + 2)

@@ -461,13 +461,15 @@ def wandb_records(path: str):
     from wandb.proto import wandb_internal_pb2 as pb
     with open(path, "rb") as f:
         b = f.read()
-    pos, part = 7, b""
+    pos = 7       # past the file header
+    part = b""    # a record's pieces so far
     while pos + 7 <= len(b):
         _, n, kind = struct.unpack("<IHB", b[pos:pos + 7])
         if (left := 32768 - pos % 32768) < 7 or kind == 0 or pos + 7 + n > len(b):
             pos += left   # a block's padding, or the cut end
             continue
-        part, pos = part + b[pos + 7:pos + 7 + n], pos + 7 + n
+        part += b[pos + 7:pos + 7 + n]
+        pos += 7 + n
         if kind in (1, 4):
             (rec := pb.Record()).ParseFromString(part)
             yield rec

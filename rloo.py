@@ -103,10 +103,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         device_id = torch.device("cuda", torch.cuda.current_device()) if cuda else None
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device_id)
-    if cuda:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu")
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), dev
 
 
@@ -308,12 +305,8 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
     served by adapters[i] (LoRA: several adapters in one call), else by what was synced last.
     `logprobs`: keep the engine's log-prob of each sampled token."""
     from vllm import SamplingParams   # (see build_engine)
-    if group is not None:
-        rank = dist.get_rank(group)
-        world = dist.get_world_size(group)
-    else:
-        rank = 0
-        world = 1
+    rank = dist.get_rank(group) if group is not None else 0
+    world = dist.get_world_size(group) if group is not None else 1
     lo, hi = chunk(len(prompts), rank, world)
     inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts[lo:hi]]
     greedy = temperature == 0   # vLLM refuses n > 1 when greedy: sample once, repeat n times

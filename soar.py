@@ -28,7 +28,6 @@ import shutil
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -171,7 +170,7 @@ def can_promote(cfg: Config, history: list[float]) -> bool:
     """Can this step promote? Only with a reward that trains students, once the window is full, and
     if MA can still pass tau with the best step reward (1): else no student needs keeping."""
     prev = history[len(history) + 1 - cfg.window:] if cfg.window > 1 else []
-    return (TEACHER_REWARDS[cfg.reward].promotes and len(history) + 1 >= cfg.window
+    return (TEACHER_REWARDS[cfg.reward].trains_students and len(history) + 1 >= cfg.window
             and (sum(prev) + 1) / cfg.window > cfg.tau)
 
 
@@ -180,14 +179,61 @@ def learnability(success_rates: list[float]) -> float:
     return sum(0.0 if s == 0 else 1.0 - s for s in success_rates) / len(success_rates)
 
 
-def opensir(success_rates: list[float], emb: np.ndarray, archive: np.ndarray) -> list[float]:
+def opensir(success_rates: list[float], novelty: list[float]) -> list[float]:
     """Per question (METHOD.md "OpenSIR-style reward"): 1 if the baseline's solve rate s is inside
-    OPENSIR_BAND, plus OPENSIR_DIVERSITY * novelty: 1 - the highest cosine similarity of its
-    embedding (row of emb) to one of the archive's (1 while the archive is empty)."""
-    novelty = 1 - (emb @ archive.T).max(1) if len(archive) else np.ones(len(emb))
+    OPENSIR_BAND, plus OPENSIR_DIVERSITY * its novelty."""
     lo, hi = OPENSIR_BAND
-    return [float(lo <= s <= hi) + OPENSIR_DIVERSITY * float(v)
-            for s, v in zip(success_rates, novelty)]
+    return [float(lo <= s <= hi) + OPENSIR_DIVERSITY * v for s, v in zip(success_rates, novelty)]
+
+
+def novelty(questions: list[str], archive: list[str]) -> list[float]:
+    """Per question: 1 - the highest cosine similarity of its n-gram embedding to an archived
+    question's (1 while the archive is empty)."""
+    if not archive:
+        return [1.0] * len(questions)
+    similarity = data.embed_ngram(questions) @ data.embed_ngram(archive).T
+    return (1 - similarity.max(1)).tolist()
+
+
+@dataclasses.dataclass
+class Measured:
+    """What step 5 measured of one dataset X_k: a teacher reward (TEACHER_REWARDS) is a function
+    of this alone. A reward that trains students reads accs; the others read solve_rates and
+    novelty."""
+    dataset: list               # X_k: n (question, answer) pairs
+    acc0: float                 # the baseline's Acc on Q_R
+    accs: list[float]           # Acc on Q_R of each of the r students trained on X_k
+    solve_rates: list[float]    # the baseline's solve rate on each question of X_k
+    novelty: list[float]        # each question's novelty against the archive (novelty())
+
+
+def grounded(m: Measured) -> list[float]:
+    """SOAR's reward (METHOD.md "Inner loop"): R_kj = Acc(student j trained on X_k) - Acc0"""
+    return [acc - m.acc0 for acc in m.accs]
+
+
+def learnability_reward(m: Measured) -> list[float]:
+    """Intrinsic-T (METHOD.md "Intrinsic-T"): R_k = X_k's mean learnability"""
+    return [learnability(m.solve_rates)]
+
+
+def opensir_reward(m: Measured) -> list[float]:
+    """R_k = X_k's mean OpenSIR-style reward (METHOD.md "OpenSIR-style reward")"""
+    per_question = opensir(m.solve_rates, m.novelty)
+    return [sum(per_question) / len(per_question)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherReward:
+    score: object           # (Measured) -> X_k's row of R: one reward per student, or one
+    trains_students: bool   # step 5 trains r students per X_k, so a step can promote one
+                            # (METHOD.md "Promotion"); else it measures the baseline's solve rates
+
+
+# --reward: how the teacher's datasets are scored (step 5). A new reward is one entry here.
+TEACHER_REWARDS = {"grounded": TeacherReward(grounded, trains_students=True),
+                   "learnability": TeacherReward(learnability_reward, trains_students=False),
+                   "opensir": TeacherReward(opensir_reward, trains_students=False)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,8 +241,8 @@ def opensir(success_rates: list[float], emb: np.ndarray, archive: np.ndarray) ->
 
 @dataclasses.dataclass
 class Step:
-    """What one outer step's teacher reward (step 5) is given: the g datasets, Q_R and the
-    baseline's Acc0 on it (this student group's), and the meter of the step's phases."""
+    """What step 5 (measure) is given: the g datasets, Q_R and the baseline's Acc0 on it (this
+    student group's), and the meter of the step's phases."""
     index: int
     datasets: list          # g lists of n (question, answer) pairs: X_1..X_g
     q_r: list[dict]         # M hard train problems
@@ -229,10 +275,12 @@ def main(cfg: Config):
         # 5. the g x r table R: grounded, R_kj = Acc(a student trained on X_k from theta) - Acc0;
         # the intrinsic baselines, one column: X_k's mean reward (TEACHER_REWARDS)
         teacher_reward = TEACHER_REWARDS[cfg.reward]
-        R, snaps, held = teacher_reward.fn(cfg, run, Step(step, datasets, q_r, acc0, meter))
+        measured, snaps, held = measure(cfg, run, Step(step, datasets, q_r, acc0, meter),
+                                        teacher_reward.trains_students)
+        R = [teacher_reward.score(m) for m in measured]
         R_k = [sum(row) / len(row) for row in R]
         # 6-7. Rhat, MA, promotion (intrinsic baselines train no students, so they never promote)
-        tau = cfg.tau if teacher_reward.promotes else float("inf")
+        tau = cfg.tau if teacher_reward.trains_students else float("inf")
         reward, ma, chosen, state["history"] = decide(state["history"], R, cfg.window, tau)
         if chosen:
             run.theta = promote(cfg, run, chosen, snaps, meter)
@@ -253,18 +301,11 @@ def main(cfg: Config):
                    **{k: round(v, 3) for k, v in meter.seconds.items()},
                    total=round(time.perf_counter() - t_step, 3))
         row.update(throughput(cfg, run, meter, faults))
-        pq_rows = []
-        if chosen:
-            pq_rows = [{"question": q, "answer": a, "step": step} for q, a in datasets[chosen[0]]]
-        q_rows = [{"question": q, "answer": a, "step": step, "k": k, "R_k": R_k[k]}
-                  for k, X in enumerate(datasets) for q, a in X]   # the curriculum
+        pq_rows, q_rows = question_rows(step, datasets, R_k, chosen)
         commit_step(cfg, run, state, {"metrics.jsonl": [row], "pq.jsonl": pq_rows,
                                       "questions.jsonl": q_rows}, promoted=bool(chosen))
         if rloo.rank0():
-            ma_text = "-" if ma is None else f"{ma:+.3f}"
-            bar.write(f"step {step + 1}/{cfg.outer_steps}  reward {reward:+.3f}  MA {ma_text}  "
-                      f"promotions {state['promotions']}  valid {len(kept) / sampled:.0%}  "
-                      f"{row['total']:.0f} s")
+            bar.write(console_line(row, cfg.outer_steps))
     rloo.print0(f"done: {cfg.out}/metrics.jsonl, {cfg.out}/pq.jsonl ({state['pq']} promotion "
                 f"questions), {cfg.out}/teacher, {cfg.out}/student")
     if run.wandb:
@@ -292,7 +333,7 @@ def teacher_samples(cfg: Config, run, step: int, meter: rloo.Meter) -> tuple[lis
 
 
 def split_datasets(pairs: list, g: int) -> list[list]:
-    """X_1..X_g: the pairs split in order into g datasets of equal size"""
+    """X_1..X_g: the pairs (or what was measured of each) split in order into g equal parts"""
     n = len(pairs) // g
     return [pairs[k * n:(k + 1) * n] for k in range(g)]
 
@@ -356,15 +397,34 @@ def train_students(cfg: Config, run, wave: list[tuple[int, int]], step: Step) ->
     return policies
 
 
-def grounded(cfg: Config, run, step: Step):
-    """Step 5, SOAR's reward (METHOD.md "Inner loop"): each group trains its share of the g*r
-    students and measures each on Q_R, in waves of len(run.wave): one student at a time with full
-    fine-tuning, all of them at once with LoRA (train_students). Returns the g x r table R (on every
-    rank), the promotion candidates this group must keep and the most any rank keeps. The first
-    student of the last wave stays in run.student until the decision; the others are snapshots in
-    host RAM, kept only if a promotion is possible this step (can_promote)."""
+def measure(cfg: Config, run, step: Step, trains_students: bool):
+    """Step 5's measurements of each X_k (Measured): the Acc of its r students (trained here), or
+    the baseline's solve rates and their novelty (the archive, in the run's state and so in the
+    checkpoint, then takes this step's questions). Returns them, the promotion candidates this
+    group must keep and the most any rank keeps (trained_accuracies)."""
+    if trains_students:
+        accs, snaps, held = trained_accuracies(cfg, run, step)
+        measured = [Measured(X, step.acc0, X_accs, [], [])
+                    for X, X_accs in zip(step.datasets, accs)]
+        return measured, snaps, held
+    questions, rates = solve_rates(cfg, run, step)
+    novelties = novelty(questions, run.state["archive"])
+    run.state["archive"] = (run.state["archive"] + questions)[-OPENSIR_ARCHIVE:]
+    g = cfg.num_datasets
+    measured = [Measured(X, step.acc0, [], X_rates, X_novelties) for X, X_rates, X_novelties
+                in zip(step.datasets, split_datasets(rates, g), split_datasets(novelties, g))]
+    return measured, {}, 0
+
+
+def trained_accuracies(cfg: Config, run, step: Step):
+    """Each group trains its share of the g*r students and measures each on Q_R, in waves of
+    len(run.wave): one student at a time with full fine-tuning, all of them at once with LoRA
+    (train_students). Returns the g x r table of their Acc (on every rank), the promotion
+    candidates this group must keep and the most any rank keeps. The first student of the last
+    wave stays in run.student until the decision; the others are snapshots in host RAM, kept only
+    if a promotion is possible this step (can_promote)."""
     keep = can_promote(cfg, run.state["history"])
-    R = {}
+    acc = {}
     snaps = {}
     mine = students(cfg)[run.mesh.get_local_rank("group")::run.mesh["group"].size()]
     waves = [mine[i:i + len(run.wave)] for i in range(0, len(mine), len(run.wave))]
@@ -372,13 +432,13 @@ def grounded(cfg: Config, run, step: Step):
         with step.meter.timed("student_training"):
             policies = train_students(cfg, run, wave, step)
         accs = accuracies(cfg, run, step.q_r, policies, step.meter)
-        for (k, j), policy, acc in zip(wave, policies, accs):
-            R[k, j] = acc - step.acc0
+        for (k, j), policy, a in zip(wave, policies, accs):
+            acc[k, j] = a
             if keep and (k, j) != waves[-1][0]:
                 snaps[k, j] = rloo.snapshot(policy)
-    parts = rloo.all_gather((R, len(snaps)))
-    R = {kj: v for part, _ in parts for kj, v in part.items()}
-    table = [[R[k, j] for j in range(cfg.students)] for k in range(cfg.num_datasets)]
+    parts = rloo.all_gather((acc, len(snaps)))
+    acc = {kj: v for part, _ in parts for kj, v in part.items()}
+    table = [[acc[k, j] for j in range(cfg.students)] for k in range(cfg.num_datasets)]
     return table, snaps, max(n for _, n in parts)
 
 
@@ -395,38 +455,8 @@ def solve_rates(cfg: Config, run, step: Step) -> tuple[list[str], list[float]]:
     return [q["question"] for q in flat], [c / cfg.learnability_samples for c in counts]
 
 
-def learnability_reward(cfg: Config, run, step: Step):
-    """Intrinsic-T (METHOD.md "Intrinsic-T"): R_k = X_k's mean learnability, no students."""
-    rates = solve_rates(cfg, run, step)[1]
-    n = cfg.dataset_size
-    return [[learnability(rates[k * n:(k + 1) * n])] for k in range(cfg.num_datasets)], {}, 0
-
-
-def opensir_reward(cfg: Config, run, step: Step):
-    """R_k = X_k's mean OpenSIR-style reward (METHOD.md "OpenSIR-style reward"); the archive (in
-    the run's state, so in the checkpoint) then takes this step's questions."""
-    questions, rates = solve_rates(cfg, run, step)
-    archive = run.state["archive"]
-    per_q = opensir(rates, data.embed_ngram(questions), data.embed_ngram(archive))
-    run.state["archive"] = (archive + questions)[-OPENSIR_ARCHIVE:]
-    n = cfg.dataset_size
-    return [[sum(per_q[k * n:(k + 1) * n]) / n] for k in range(cfg.num_datasets)], {}, 0
-
-
-@dataclasses.dataclass(frozen=True)
-class TeacherReward:
-    fn: object      # (cfg, run, step: Step) -> (R: g x r, snapshots kept, most snapshots held)
-    promotes: bool  # trains students, so a step can promote one (METHOD.md "Promotion")
-
-
-# --reward: how the teacher's datasets are scored (step 5). A new reward is one entry here.
-TEACHER_REWARDS = {"grounded": TeacherReward(grounded, promotes=True),
-                   "learnability": TeacherReward(learnability_reward, promotes=False),
-                   "opensir": TeacherReward(opensir_reward, promotes=False)}
-
-
 def students(cfg: Config) -> list[tuple[int, int]]:
-    """the (k, j) of every student of a step; group i trains students[i::G] (grounded)"""
+    """the (k, j) of every student of a step; group i trains students[i::G] (trained_accuracies)"""
     return [(k, j) for k in range(cfg.num_datasets) for j in range(cfg.students)]
 
 
@@ -453,6 +483,25 @@ def teacher_update(cfg: Config, run, kept: list, R_k: list[float], meter: rloo.M
                                [s.token_ids for s, _ in rows], [a for _, a in rows],
                                loss=rloo.rloo_loss, temperature=cfg.temperature,
                                micro_batch_tokens=cfg.micro_batch_tokens, meter=meter)
+
+
+def question_rows(step: int, datasets: list[list], R_k: list[float], chosen) -> tuple[list, list]:
+    """The step's rows of pq.jsonl (the promoted dataset's pairs) and of questions.jsonl (the
+    curriculum: every pair, with its dataset k and R_k)"""
+    pq_rows = []
+    if chosen:
+        pq_rows = [{"question": q, "answer": a, "step": step} for q, a in datasets[chosen[0]]]
+    q_rows = [{"question": q, "answer": a, "step": step, "k": k, "R_k": R_k[k]}
+              for k, X in enumerate(datasets) for q, a in X]
+    return pq_rows, q_rows
+
+
+def console_line(row: dict, outer_steps: int) -> str:
+    """the step's line on the console, from its metrics row"""
+    ma = "-" if row["ma"] is None else f"{row['ma']:+.3f}"
+    return (f"step {row['step'] + 1}/{outer_steps}  reward {row['reward']:+.3f}  MA {ma}  "
+            f"promotions {row['promotions']}  valid {row['teacher_valid_rate']:.0%}  "
+            f"{row['total']:.0f} s")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,7 +537,7 @@ def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
     checks = [
         (cfg.num_datasets < 2, f"--num_datasets {cfg.num_datasets}: RLOO over datasets "
                                "needs g >= 2"),
-        (TEACHER_REWARDS[cfg.reward].promotes and cfg.students < 1,
+        (TEACHER_REWARDS[cfg.reward].trains_students and cfg.students < 1,
          f"--students {cfg.students}: need r >= 1 per dataset"),
         (not 1 <= cfg.qr_size <= n_hard, f"--qr_size {cfg.qr_size}: each step samples "
                                          f"M={cfg.qr_size} questions from {cfg.train}, "

@@ -87,19 +87,14 @@ RECIPES = {
         probe=[("add", 1), ("sub", 1), ("word", "+"), ("word", "-"), ("word", "f"), ("word", "++"),
                ("word", "--"), ("word", "+-+"), ("word", "ff"), ("word", "---"), ("word", "++++"),
                ("word", "----")]),
-    "small": dict(   # the tests': formats and plumbing, not skill
-        model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                   num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                   max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-                   tie_word_embeddings=True),
-        student=[("add", 1, 3), ("sub", 1, 3), ("word", "?1", 2), ("word", "?2", 2)],
-        misread=0.8, student_steps=(1, 1, 1), teacher_steps=(6, 2, 2),
-        teacher=[("add", 1, 1), ("sub", 1, 1), ("word", "?1", 1), ("word", "?2", 1)],
-        teacher_fraction=0.4, steps=150, lr=3e-3, warmup=30, batch=64, procs=2,
-        hard=[("word", "---")], k=32, need=8, batch_candidates=32, max_candidates=256,
-        teacher_samples=64, level_problems=8, level_samples=8,
-        probe=[("add", 1), ("word", "+"), ("word", "-"), ("word", "---")]),
 }
+RECIPES["small"] = dict(   # the tests': formats and plumbing, not skill
+    RECIPES["default"],
+    student=[("add", 1, 3), ("sub", 1, 3), ("word", "?1", 2), ("word", "?2", 2)],
+    teacher=[("add", 1, 1), ("sub", 1, 1), ("word", "?1", 1), ("word", "?2", 1)],
+    steps=150, hard=[("word", "---")], k=32, need=8, batch_candidates=32, max_candidates=256,
+    teacher_samples=64, level_samples=8,
+    probe=[("add", 1), ("word", "+"), ("word", "-"), ("word", "---")])
 VERSION = 5                 # bump when the recipe changes: it is part of the cache key
 
 # The settings of soar.py and eval.py on this world (used when no --model is given; their --help
@@ -144,7 +139,8 @@ def make_problem(rng: random.Random, kind: str, level, steps=(1, 1, 1)) -> dict:
 
 def working(p: dict, misread=()) -> str:
     """the steps, left to right: 'a - x = b. b + y = c.'; `misread` steps add what they take away"""
-    out, v = [], p["start"]   # the equations so far, the value they reach
+    out = []          # the equations so far
+    v = p["start"]    # the value they reach
     for i, (s, x) in enumerate(zip(p["signs"], p["xs"])):
         s = "-" if s == "-" else "+"            # "finds" adds
         if i in misread:
@@ -187,7 +183,8 @@ def classify(question: str) -> dict | None:
     m = _WORD.match(q)
     if not m:
         return None
-    v, signs = int(m[1]), ""   # the value so far, the signs of the steps read
+    v = int(m[1])   # the value so far
+    signs = ""      # the signs of the steps read
     for part in m[2].split(", then "):
         st = _VERB.match(part)
         if not st:
@@ -267,7 +264,6 @@ def train_model(model_dir: str, r: dict, seed: int) -> None:
 def _train_rank(rank: int, world: int, port: int, model_dir: str, r: dict, seed: int):
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     data.die_with_parent()
     torch.set_num_threads(1)
@@ -281,40 +277,9 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, r: dict, seed:
                                          eos_token_id=tok.eos_token_id,
                                          pad_token_id=tok.pad_token_id, **r["model"]))
     eos = tok.eos_token_id
-    # Every example starts with one of two long fixed prompts (~150 and ~75 tokens) and what is
-    # learnt is ~30 tokens, so each fixed prefix runs once per batch and its keys and values are
-    # shared by all rows (gradients flow through them): the same loss for ~4x less compute.
-    # The teacher prompt is all prefix; the student prompt is, up to "User:".
+    # The teacher prompt is all prefix (_prefix_loss); the student prompt is, up to "User:".
     t_prefix = data.teacher_prompt(tok)
     s_prefix = _ids(tok, data.STUDENT_PROMPT.split("{question}")[0].rstrip())
-
-    def student_row(p):
-        full = _ids(tok, data.student_prompt(p["question"]))
-        assert full[:len(s_prefix)] == s_prefix, \
-            "the student prompt's head must tokenize on its own"
-        misread = {i for i, sg in enumerate(p["signs"])
-                   if p["kind"] == "word" and sg in "-f" and rng.random() < r["misread"]}
-        return full[len(s_prefix):], _ids(tok, student_solution(p, misread)) + [eos]
-
-    def loss_sum(prefix, rows):
-        """summed next-token loss over completions of rows = [(prompt tail ids, completion ids)]"""
-        n = len(rows)
-        cache = model(input_ids=torch.tensor([prefix[:-1]]), use_cache=True).past_key_values
-        cache.batch_repeat_interleave(n)
-        seqs = [[prefix[-1]] + tail + comp for tail, comp in rows]
-        L = max(map(len, seqs))
-        ids = torch.full((n, L), tok.pad_token_id)
-        mask = torch.zeros((n, L), dtype=torch.long)
-        labels = torch.full((n, L), -100)
-        for i, ((tail, comp), s) in enumerate(zip(rows, seqs)):
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
-            labels[i, len(tail):len(s) - 1] = torch.tensor(comp)  # position j predicts token j + 1
-        mask = torch.cat([torch.ones((n, len(prefix) - 1), dtype=torch.long), mask], 1)
-        logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
-        return (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"),
-                int((labels >= 0).sum()))
-
     opt = torch.optim.AdamW(model.parameters(), lr=r["lr"], betas=(0.9, 0.98), weight_decay=0.0)
     n_teacher = round(r["batch"] * r["teacher_fraction"]) // world
     n_student = r["batch"] // world - n_teacher
@@ -325,12 +290,14 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, r: dict, seed:
               (1 + math.cos(math.pi * step / steps)))
         for g in opt.param_groups:
             g["lr"] = lr
-        lt, nt = loss_sum(t_prefix, [
+        lt, nt = _prefix_loss(model, tok, t_prefix, [
             ([], _ids(tok, teacher_reply(draw(rng, r["teacher"], r["teacher_steps"]))) + [eos])
             for _ in range(n_teacher)])
-        ls, ns = loss_sum(s_prefix, [student_row(draw(rng, r["student"], r["student_steps"]))
-                                     for _ in range(n_student)])
-        # mean over all tokens of all ranks: sum the counts, then the gradients of loss_sum / count
+        ls, ns = _prefix_loss(model, tok, s_prefix, [
+            _student_row(tok, s_prefix, draw(rng, r["student"], r["student_steps"]), r["misread"],
+                         rng)
+            for _ in range(n_student)])
+        # mean over all tokens of all ranks: sum the counts, then the gradients of the sums / count
         counts = torch.tensor([nt, ns, lt.item(), ls.item()], dtype=torch.float64)
         dist.all_reduce(counts)
         opt.zero_grad(set_to_none=True)
@@ -347,6 +314,42 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, r: dict, seed:
         hf_logging.disable_progress_bar()   # its "Writing model shards" bar, for one tiny file
         model.save_pretrained(model_dir)  # safetensors, next to the tokenizer
     dist.destroy_process_group()
+
+
+def _student_row(tok, s_prefix: list[int], p: dict, misread_rate: float, rng: random.Random):
+    """(prompt ids after s_prefix, solution ids + EOS) of problem p; each "gives away" or "finds"
+    step of a word problem is misread with probability misread_rate (the world's docstring)"""
+    full = _ids(tok, data.student_prompt(p["question"]))
+    assert full[:len(s_prefix)] == s_prefix, "the student prompt's head must tokenize on its own"
+    misread = {i for i, sg in enumerate(p["signs"])
+               if p["kind"] == "word" and sg in "-f" and rng.random() < misread_rate}
+    return full[len(s_prefix):], _ids(tok, student_solution(p, misread)) + [tok.eos_token_id]
+
+
+def _prefix_loss(model, tok, prefix: list[int], rows: list[tuple[list[int], list[int]]]):
+    """(summed next-token loss over the completions, their token count); rows = [(prompt tail ids,
+    completion ids)] after the shared prefix. Every example starts with one of two long fixed
+    prompts (~150 and ~75 tokens) and what is learnt is ~30 tokens, so the prefix runs once and its
+    keys and values are shared by all rows (gradients flow through them): the same loss for ~4x
+    less compute."""
+    import torch
+    import torch.nn.functional as F
+    n = len(rows)
+    cache = model(input_ids=torch.tensor([prefix[:-1]]), use_cache=True).past_key_values
+    cache.batch_repeat_interleave(n)
+    seqs = [[prefix[-1]] + tail + comp for tail, comp in rows]
+    L = max(map(len, seqs))
+    ids = torch.full((n, L), tok.pad_token_id)
+    mask = torch.zeros((n, L), dtype=torch.long)
+    labels = torch.full((n, L), -100)
+    for i, ((tail, comp), s) in enumerate(zip(rows, seqs)):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+        labels[i, len(tail):len(s) - 1] = torch.tensor(comp)  # position j predicts token j + 1
+    mask = torch.cat([torch.ones((n, len(prefix) - 1), dtype=torch.long), mask], 1)
+    logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+    return (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"),
+            int((labels >= 0).sum()))
 
 
 # -----------------------------------------------------------------------------

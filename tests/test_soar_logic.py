@@ -93,18 +93,29 @@ def test_settings_that_cannot_work_are_named_by_flag():
 
 
 def test_opensir_reward_ranks_calibrated_novel_questions_first():
-    import numpy as np
-    archive = data.embed_ngram(["What is 12 + 30?", "Find the sum of 4 and 9."])
+    archive = ["What is 12 + 30?", "Find the sum of 4 and 9."]
     qs = ["How many primes are below 20?",      # novel, calibrated (s = 0.5)
           "How many primes are below 20?",      # novel, solved every time (s = 1)
           "What is 12 + 30?",                   # calibrated, but a repeat of an archived question
           "Compute the product 7 * 6."]         # novel, never solved (s = 0)
-    r = soar.opensir([0.5, 1.0, 0.5, 0.0], data.embed_ngram(qs), archive)
+    r = soar.opensir([0.5, 1.0, 0.5, 0.0], soar.novelty(qs, archive))
     assert r[0] > r[1] and r[0] > r[2] and r[0] > r[3]
     # calibration is worth 1
     assert r[2] == pytest.approx(1.0) and r[1] == pytest.approx(r[0] - 1.0) and r[3] <= 0.5
     # nothing archived yet
-    assert soar.opensir([0.5], data.embed_ngram(qs[:1]), np.zeros((0, 4096))) == [1.5]
+    assert soar.opensir([0.5], soar.novelty(qs[:1], [])) == [1.5]
+
+
+def test_each_teacher_reward_is_a_function_of_one_datasets_measurements():
+    """TEACHER_REWARDS on hand-built records: one reward per student, or one per dataset"""
+    X = [("q1", "1"), ("q2", "2")]
+    students = soar.Measured(X, acc0=0.25, accs=[0.5, 0.25, 0.0], solve_rates=[], novelty=[])
+    baseline = soar.Measured(X, acc0=0.25, accs=[], solve_rates=[0.0, 0.5], novelty=[1.0, 0.2])
+    rewards = soar.TEACHER_REWARDS
+    assert rewards["grounded"].score(students) == [0.25, 0.0, -0.25]   # R_kj = Acc - Acc0
+    assert rewards["learnability"].score(baseline) == [0.25]           # (0 + 0.5) / 2
+    assert rewards["opensir"].score(baseline) == pytest.approx([(0.5 + 1.1) / 2])
+    assert [name for name, r in rewards.items() if r.trains_students] == ["grounded"]
 
 
 def test_learnability_reward():
