@@ -932,7 +932,7 @@ def first_to_last(curves: list[list[float]], fmt: str) -> str:
 def population_table(results: list[dict]) -> list[str]:
     """PopuLoRA's claims on the test split (result.json's `members`): the population's mean, best
     and worst student beside the single-agent baseline, paired by seed (95% bootstrap CI)."""
-    rs = [r for r in results if r["method"] == "populora" and "members" in r]
+    rs = [r for r in results if r["method"] == "populora"]
     single = {(r["test"], r["seed"]): r for r in results if r["method"] == "populora-single"}
     if not rs:
         return []
@@ -942,7 +942,9 @@ def population_table(results: list[dict]) -> list[str]:
              "| worst - single [95% CI] |", "|---|---|---|---|---|---|---|---|"]
     for test in sorted({r["test"] for r in rs}):
         runs = [r for r in rs if r["test"] == test]
-        member_passk = [[100 * m[k] for m in r["members"].values()] for r in runs]
+        # a population of one student (1T-1S) has no members: it is its own mean, best and worst
+        member_passk = [[100 * m[k] for m in r.get("members", {"s0": r["passk"]}).values()]
+                        for r in runs]
         cells = ["{:.1f} ± {:.1f}".format(*mean_std([f(p) for p in member_passk]))
                  for f in (statistics.fmean, max, min)]
         pairs = [(p, 100 * single[test, r["seed"]]["passk"][k])

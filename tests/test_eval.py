@@ -191,6 +191,24 @@ def test_paired_ci_and_pooled_slope():
                                               pytest.approx(0.0))
 
 
+def test_population_table_pairs_students_with_the_single_agent_by_seed():
+    """mean, best and worst student per seed; a population of one student (1T-1S) has no
+    `members` in its result and is its own mean, best and worst"""
+    def res(method, seed, passk, members=None):
+        r = {"method": method, "test": "t.jsonl", "seed": seed, "passk": {"pass@4": passk}}
+        return {**r, "members": members} if members else r
+    four = [res("populora", s, 0.5, {f"s{j}": {"pass@4": p} for j, p in enumerate(ps)})
+            for s, ps in enumerate([(0.25, 0.75), (0.5, 0.5)])]
+    singles = [res("populora-single", s, p) for s, p in enumerate([0.25, 0.0])]
+    line = ev.population_table(four + singles)[4]
+    assert line == ("| t.jsonl | 2 | 50.0 ± 0.0 | 62.5 ± 17.7 | 37.5 ± 17.7 | 12.5 ± 17.7 | "
+                    "+37.5 [+25.0, +50.0] | +25.0 [+0.0, +50.0] |")
+    one = [res("populora", 0, 0.5), res("populora-single", 0, 0.25)]
+    assert ev.population_table(one)[4] == ("| t.jsonl | 1 | 50.0 ± 0.0 | 50.0 ± 0.0 | 50.0 ± 0.0 "
+                                           "| 25.0 ± 0.0 | +25.0 [+25.0, +25.0] "
+                                           "| +25.0 [+25.0, +25.0] |")
+
+
 def test_pq_subsets_from_the_world_or_labels(tmp_path):
     word = "Tom has 5 apples. He gives away 2. How many apples does he have now?"
     pq = [{"question": word, "answer": "3"}, {"question": word.replace("5", "6"), "answer": "9"},
