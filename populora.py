@@ -54,8 +54,15 @@ class Config:
     evolve_every: int = launch.flag(5,
         "every this many rounds, replace each population's lowest-rated member (0: never)",
         least=0)
-    mutation_sigma: float = launch.flag(0.1,
-        "the child's Gaussian noise, as a share of each tensor's RMS (evolution)")
+    crossover: str = launch.flag("layers", "evolution's crossover of the two best: each layer "
+                                 "from one parent, or a DARE merge", choices=("layers", "dare"))
+    dare_drop: float = launch.flag(0.5, "--crossover dare: the share of the parents' difference "
+                                   "dropped (the rest is rescaled)")
+    mutation: str = launch.flag("gaussian", "evolution's mutation of the child: Gaussian noise on "
+                                "every entry, or a rescaling of each update's singular values",
+                                choices=("gaussian", "svd"))
+    mutation_sigma: float = launch.flag(0.1, "the mutation's scale: gaussian, the noise as a share "
+                                        "of each tensor's RMS; svd, the std of log(scale)")
     # ---- optimisation ----
     teacher_lr: float = launch.flag(1e-4,
         "AdamW, constant: the population trains while it plays (LoRA: ~10x full fine-tuning's)")
@@ -149,6 +156,36 @@ def mutate_gaussian(adapter: dict, sigma: float, seed: int) -> dict:
         t = adapter[n]
         noise = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.device, t.dtype)
         child[n] = t + sigma * t.pow(2).mean().sqrt() * noise
+    return child
+
+
+def crossover_dare(a: dict, b: dict, drop: float, seed: int) -> dict:
+    """DARE-style merge: a plus half of the difference b - a, after dropping each entry of that
+    difference with probability `drop` and rescaling the rest by 1 / (1 - drop), so that the
+    child is the parents' mean in expectation. Per tensor (A and B apart, as a merge of adapter
+    tensors does). Same rank; equal parents give the parent."""
+    g = torch.Generator().manual_seed(seed)
+    child = {}
+    for n in sorted(a):
+        kept = (torch.rand(a[n].shape, generator=g) >= drop).to(a[n].device, a[n].dtype)
+        child[n] = a[n] + 0.5 * (b[n] - a[n]) * kept / (1.0 - drop)
+    return child
+
+
+def mutate_svd(adapter: dict, sigma: float, seed: int) -> dict:
+    """SVD-structured scaling: each layer's update B A keeps its singular vectors and gets its
+    singular values scaled by exp(sigma z), z ~ N(0, 1). Only B changes: with B = Q R (QR) and
+    R A = U S V^T (SVD), B A = (Q U) S V^T, and B' = Q U diag(exp(sigma z)) U^T R gives
+    B' A = (Q U) S diag(exp(sigma z)) V^T. Same rank; a zero B stays zero; sigma 0 gives B."""
+    g = torch.Generator().manual_seed(seed)
+    child = dict(adapter)
+    for layer in sorted({layer_of(n) for n in adapter}):
+        A = adapter[layer + ".lora_A"]
+        B = adapter[layer + ".lora_B"]
+        q, r = torch.linalg.qr(B.double())
+        u, _, _ = torch.linalg.svd(r @ A.double(), full_matrices=False)
+        scale = torch.exp(sigma * torch.randn(u.shape[1], generator=g, dtype=torch.float64))
+        child[layer + ".lora_B"] = (q @ (u * scale) @ u.T @ r).to(B.dtype)
     return child
 
 
@@ -315,8 +352,8 @@ def train(cfg: Config, policy: rloo.Policy, rows: list, meter: rloo.Meter) -> di
 
 def evolve(cfg: Config, run, rnd: int) -> dict:
     """Step 6: in each population of 2 or more, the lowest-rated member becomes a mutated
-    layer-wise crossover of the two best, rated at their mean, with a fresh optimizer. Returns
-    {population: [loser, best, second]}."""
+    crossover of the two best (--crossover, --mutation), rated at their mean, with a fresh
+    optimizer. Returns {population: [loser, best, second]}."""
     done = {}
     for name, members, ratings in (("teachers", run.teachers, run.state["teacher_ratings"]),
                                    ("students", run.students, run.state["student_ratings"])):
@@ -325,9 +362,17 @@ def evolve(cfg: Config, run, rnd: int) -> dict:
             continue
         loser, best, second = chosen
         parents = [rloo.snapshot(members[best]), rloo.snapshot(members[second])]
-        child = crossover_layers(*parents, launch.seed_of(cfg.seed, rnd, name, "crossover"))
-        child = mutate_gaussian(child, cfg.mutation_sigma,
-                                launch.seed_of(cfg.seed, rnd, name, "mutation"))
+        seed = launch.seed_of(cfg.seed, rnd, name, "crossover")
+        if cfg.crossover == "dare":
+            child = crossover_dare(*parents, cfg.dare_drop, seed)
+        else:
+            child = crossover_layers(*parents, seed)
+        seed = launch.seed_of(cfg.seed, rnd, name, "mutation")
+        if cfg.mutation == "svd":
+            child = mutate_svd(child, cfg.mutation_sigma, seed)
+        else:
+            child = mutate_gaussian(child, cfg.mutation_sigma, seed)
+        rloo.broadcast_snapshot(child, 0, dist.group.WORLD)   # one child, whatever LAPACK does
         rloo.restore(members[loser], child)
         lr = cfg.teacher_lr if name == "teachers" else cfg.student_lr
         rloo.reset_optimizer(members[loser], lr=lr, warmup_steps=0, total_steps=None)
@@ -355,7 +400,10 @@ def setup(cfg: Config, checker) -> Run | None:
     if cfg.single_agent and (cfg.teachers, cfg.students) != (1, 1):
         raise launch.UsageError(f"--single_agent plays one adapter in both roles: it needs "
                                 f"--teachers 1 --students 1, not {cfg.teachers} and {cfg.students}")
-    if problems := launch.too_small(cfg):
+    problems = launch.too_small(cfg)
+    if not 0 <= cfg.dare_drop < 1:
+        problems.append(f"--dare_drop {cfg.dare_drop}: the share dropped is in [0, 1)")
+    if problems:
         raise launch.UsageError("these settings cannot work:\n  " + "\n  ".join(problems))
     tok = launch.tokenizer(cfg.model)
     launch.lock_folder(cfg.out)

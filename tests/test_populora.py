@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
@@ -95,6 +96,45 @@ def test_mutation_keeps_rank_is_finite_and_seeded():
     assert 0 < ((m1[t] - a[t]).pow(2).mean() / a[t].pow(2).mean()).sqrt() < 0.2   # ~sigma of RMS
 
 
+def test_dare_merge_keeps_rank_is_seeded_and_the_mean_in_expectation():
+    a, b = adapter(0), adapter(1)
+    m1, m2, m3 = (pl.crossover_dare(a, b, 0.5, seed) for seed in (1, 1, 2))
+    assert all(m1[n].shape == a[n].shape and torch.isfinite(m1[n]).all() for n in a)
+    assert all(torch.equal(m1[n], m2[n]) for n in a)
+    t = "model.layers.3.mlp.up_proj.lora_B"
+    assert not torch.equal(m1[t], m3[t])
+    # each entry is a (dropped) or b (kept, 0.5 / (1 - 0.5) of the difference): about half each
+    from_b = torch.isclose(m1[t], b[t])
+    assert torch.isclose(m1[t], a[t])[~from_b].all() and 0.3 < from_b.double().mean() < 0.7
+    mean = sum(pl.crossover_dare(a, b, 0.7, seed)[t] for seed in range(2000)) / 2000
+    assert torch.allclose(mean, (a[t] + b[t]) / 2, atol=0.2)   # expectation: the parents' mean
+    same = pl.crossover_dare(a, a, 0.5, seed=7)
+    assert all(torch.equal(same[n], a[n]) for n in a)   # equal parents: the parent
+
+
+def test_svd_mutation_rescales_singular_values_only():
+    a = adapter(0)
+    a["model.layers.0.mlp.up_proj.lora_B"] = torch.zeros(16, 4)   # a fresh B
+    m1, m2, m3 = (pl.mutate_svd(a, 0.3, seed) for seed in (1, 1, 2))
+    assert all(m1[n].shape == a[n].shape and torch.isfinite(m1[n]).all() for n in a)
+    assert all(torch.equal(m1[n], m2[n]) for n in a)
+    layer = "model.layers.2.mlp.up_proj"
+    assert not torch.equal(m1[layer + ".lora_B"], m3[layer + ".lora_B"])
+    assert torch.equal(m1[layer + ".lora_A"], a[layer + ".lora_A"])   # only B changes
+    assert torch.equal(m1["model.layers.0.mlp.up_proj.lora_B"], torch.zeros(16, 4))
+    update = a[layer + ".lora_B"] @ a[layer + ".lora_A"]
+    mutated = m1[layer + ".lora_B"] @ m1[layer + ".lora_A"]
+    assert torch.linalg.matrix_rank(mutated) == torch.linalg.matrix_rank(update) == 4
+    u, s, vh = torch.linalg.svd(update)
+    u, s, vh = u[:, :4], s[:4], vh[:4]   # its rank-4 SVD
+    core = u.T @ mutated @ vh.T   # in the update's singular vectors: diagonal, s rescaled
+    assert torch.allclose(core, torch.diag(core.diag()), atol=1e-4)
+    assert torch.allclose(u @ core @ vh, mutated, atol=1e-4)
+    assert (core.diag() > 0).all() and not torch.allclose(core.diag(), s, rtol=0.05)
+    unchanged = pl.mutate_svd(a, 0.0, seed=1)
+    assert all(torch.allclose(unchanged[n], a[n], atol=1e-5) for n in a)   # sigma 0: the adapter
+
+
 # ---- whole runs ----
 def without_timing(metrics):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in metrics]
@@ -171,6 +211,28 @@ def test_with_a_model_a_problem_is_valid_when_a_student_agrees(runs, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     kept = rows(tmp_path / "agree" / "questions.jsonl")
     assert kept and all(q["solve_rate"] > 0 for q in kept)
+
+
+def test_evolution_runs_the_operators_its_flags_name(tmp_path):
+    """--crossover dare --mutation svd in a real run: the lowest-rated student is replaced by the
+    mutated merge of the two best, as the pure functions compute it from their weights"""
+    p = torchrun("populora.py", tmp_path / "evolve", *FLAGS[:4], "--students", "3", "--rounds",
+                 "1", *FLAGS[8:12], "--evolve_every", "1", "--crossover", "dare", "--mutation",
+                 "svd", "--mutation_sigma", "0.5")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    loser, best, second = rows(tmp_path / "evolve" / "metrics.jsonl")[0]["evolved"]["students"]
+
+    def adapter_of(j):   # a saved PEFT folder's tensors by the adapter's own names
+        folder = tmp_path / "evolve" / "students" / f"s{j}"
+        tensors = load_file(folder / "adapter_model.safetensors")
+        return {n.removeprefix("base_model.model.").removesuffix(".weight"): t
+                for n, t in tensors.items()}
+
+    seed = pl.launch.seed_of(0, 0, "students", "crossover")
+    child = pl.crossover_dare(adapter_of(best), adapter_of(second), 0.5, seed)
+    child = pl.mutate_svd(child, 0.5, pl.launch.seed_of(0, 0, "students", "mutation"))
+    saved = adapter_of(loser)
+    assert all(torch.allclose(saved[n], child[n], atol=1e-6) for n in child)
 
 
 def test_single_agent_with_a_population_is_a_usage_error(tmp_path):
