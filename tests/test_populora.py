@@ -197,7 +197,7 @@ def test_the_default_population_is_four_and_four():
     """the world preset sets the world's sampling and LoRA settings, never the population"""
     cfg = pl.parse_args([])
     assert (cfg.teachers, cfg.students) == (4, 4)
-    assert (cfg.lora_rank, cfg.student_lr) == (8, 3e-3)
+    assert (cfg.lora_rank, cfg.student_lr, cfg.teacher_lr) == (8, 3e-3, 3e-4)
 
 
 def test_with_a_model_a_problem_is_valid_when_a_student_agrees(runs, tmp_path):
