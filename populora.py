@@ -46,7 +46,8 @@ class Config:
     teachers: int = launch.flag(4, "teacher adapters", least=1)
     students: int = launch.flag(4, "student adapters", least=1)
     single_agent: bool = launch.flag(False,
-        "the baseline: one adapter writes and solves its own problems (needs 1 + 1)")
+        "the baseline: one adapter writes and solves its own problems, at --teacher_lr "
+        "(needs 1 + 1)")
     rounds: int = launch.flag(40, "rounds of play", least=1)
     proposals: int = launch.flag(8, "problems a teacher writes a round (its RLOO group)", least=2)
     student_samples: int = launch.flag(32, "samples per problem (the student's RLOO group)",
