@@ -67,6 +67,15 @@ def layer_from(child, parent, layer):
     return all(torch.equal(child[f"{layer}.lora_{m}"], parent[f"{layer}.lora_{m}"]) for m in "AB")
 
 
+def seeded_outputs(operator, a):
+    """operator(seed) for seeds 1, 1 and 2: a's shapes (the rank kept), finite, equal for equal
+    seeds; the outputs of seeds 1 and 2"""
+    m1, m2, m3 = (operator(seed) for seed in (1, 1, 2))
+    assert all(m1[n].shape == a[n].shape and torch.isfinite(m1[n]).all() for n in a)
+    assert all(torch.equal(m1[n], m2[n]) for n in a)
+    return m1, m3
+
+
 def test_crossover_keeps_rank_and_takes_each_layer_whole():
     a, b = adapter(0), adapter(1)
     child = pl.crossover_layers(a, b, seed=3)
@@ -86,9 +95,7 @@ def test_crossover_keeps_rank_and_takes_each_layer_whole():
 def test_mutation_keeps_rank_is_finite_and_seeded():
     a = adapter(0)
     a["model.layers.0.mlp.up_proj.lora_B"] = torch.zeros(16, 4)   # a fresh B
-    m1, m2, m3 = (pl.mutate_gaussian(a, 0.1, seed) for seed in (1, 1, 2))
-    assert all(m1[n].shape == a[n].shape and torch.isfinite(m1[n]).all() for n in a)
-    assert all(torch.equal(m1[n], m2[n]) for n in a)
+    m1, m3 = seeded_outputs(lambda seed: pl.mutate_gaussian(a, 0.1, seed), a)
     assert not torch.equal(m1["model.layers.1.mlp.up_proj.lora_A"],
                            m3["model.layers.1.mlp.up_proj.lora_A"])
     assert torch.equal(m1["model.layers.0.mlp.up_proj.lora_B"], torch.zeros(16, 4))
@@ -98,9 +105,7 @@ def test_mutation_keeps_rank_is_finite_and_seeded():
 
 def test_dare_merge_keeps_rank_is_seeded_and_the_mean_in_expectation():
     a, b = adapter(0), adapter(1)
-    m1, m2, m3 = (pl.crossover_dare(a, b, 0.5, seed) for seed in (1, 1, 2))
-    assert all(m1[n].shape == a[n].shape and torch.isfinite(m1[n]).all() for n in a)
-    assert all(torch.equal(m1[n], m2[n]) for n in a)
+    m1, m3 = seeded_outputs(lambda seed: pl.crossover_dare(a, b, 0.5, seed), a)
     t = "model.layers.3.mlp.up_proj.lora_B"
     assert not torch.equal(m1[t], m3[t])
     # each entry is a (dropped) or b (kept, 0.5 / (1 - 0.5) of the difference): about half each
@@ -115,9 +120,7 @@ def test_dare_merge_keeps_rank_is_seeded_and_the_mean_in_expectation():
 def test_svd_mutation_rescales_singular_values_only():
     a = adapter(0)
     a["model.layers.0.mlp.up_proj.lora_B"] = torch.zeros(16, 4)   # a fresh B
-    m1, m2, m3 = (pl.mutate_svd(a, 0.3, seed) for seed in (1, 1, 2))
-    assert all(m1[n].shape == a[n].shape and torch.isfinite(m1[n]).all() for n in a)
-    assert all(torch.equal(m1[n], m2[n]) for n in a)
+    m1, m3 = seeded_outputs(lambda seed: pl.mutate_svd(a, 0.3, seed), a)
     layer = "model.layers.2.mlp.up_proj"
     assert not torch.equal(m1[layer + ".lora_B"], m3[layer + ".lora_B"])
     assert torch.equal(m1[layer + ".lora_A"], a[layer + ".lora_A"])   # only B changes
