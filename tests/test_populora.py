@@ -238,12 +238,17 @@ def test_evolution_runs_the_operators_its_flags_name(tmp_path):
     assert all(torch.allclose(saved[n], child[n], atol=1e-6) for n in child)
 
 
-def test_single_agent_with_a_population_is_a_usage_error(tmp_path):
+@pytest.mark.parametrize("flags, message", [
+    (["--single_agent"], "populora.py: error: --single_agent plays one adapter in both roles"),
+    (["--dare_drop", "1"], "populora.py: error: these settings cannot work:\n"
+                           "  --dare_drop 1.0: the share dropped is in [0, 1)"),
+])
+def test_settings_that_cannot_work_are_usage_errors(tmp_path, flags, message):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "populora.py"), "--world", "small",
-                        "--single_agent", "--out", str(tmp_path / "x")], cwd=ROOT,
+                        *flags, "--out", str(tmp_path / "x")], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 2, p.stderr[-2000:]
-    assert "populora.py: error: --single_agent plays one adapter in both roles" in p.stderr
+    assert message in p.stderr
 
 
 def test_eval_rows_of_a_population_and_its_baseline(runs, tmp_path):
