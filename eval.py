@@ -11,7 +11,7 @@ RLOO runs with early stopping, the paper's Tables 4-6 rows, Vendi diversity, a r
     python eval.py sample-teacher runs/math/teacher --out q.jsonl  # 128 teacher questions
     python eval.py vendi q.jsonl runs/math/pq.jsonl                # diversity
     python eval.py report --runs runs/eval/math --soar runs/math   # report.md + PNGs in --runs
-Without --model everything runs on the built-in world (world.py) with its preset (world.PRESET).
+Without --model everything runs on the built-in world (world.py) with each flag's world value.
 
 A run folder <runs>/<method>/seed<s>/: metrics.jsonl (per step), evals.jsonl (test pass@k every
 --eval_every steps), ckpt/ (reruns resume), result.json (the row's numbers; reruns skip the run).
@@ -37,6 +37,9 @@ import data
 import launch
 import rloo
 import world
+
+
+WORLD_MAX_TOKENS = world.MAX_TOKENS   # new tokens a completion needs on the built-in world
 
 
 @dataclasses.dataclass
@@ -72,7 +75,7 @@ class Config:
     passk_samples: int = launch.flag(32,
         "samples per test problem; k in 1, 4, 8, 16, 32 up to this", least=1)
     # ---- fail@128 filter (METHOD.md "Data"): T = 1, student_max_tokens, keep 0-correct, 50/50 ----
-    filter_samples: int = launch.flag(128, "samples per problem", least=1)
+    filter_samples: int = launch.flag(128, world=32, help="samples per problem", least=1)
     split_seed: int = launch.flag(0, "seed of the 50/50 train/test split")
     # ---- fresh students (METHOD.md "Hyperparameters", "Evaluation protocol") ----
     mode: str = launch.flag("mixed",
@@ -83,41 +86,44 @@ class Config:
         choices=("uniform", "leeps"))
     sept_temperature: float = launch.flag(1.0,
         "SePT's answer temperature (0.5/0.7/1.0: best on a train half)")
-    student_steps: int = launch.flag(1500,
-        "at most; the early-stopping rule usually ends a run before", least=1)
-    switch_step: int = launch.flag(64,
-        "curriculum: synthetic only for this many steps, then real only")
-    student_warmup: int = launch.flag(20, "lr warmup of mixed runs; curriculum runs use 0")
-    student_lr: float = launch.flag(1e-5, "AdamW, cosine over student_steps")
-    student_samples: int = launch.flag(32,
-        "samples per question (the student's RLOO group)", least=2)
-    big_group: int = launch.flag(128, "the group of the hard-only-128 row", least=2)
-    student_questions: int = launch.flag(8, "questions per student step", least=1)
+    student_steps: int = launch.flag(1500, world=24,
+        help="at most; the early-stopping rule usually ends a run before", least=1)
+    switch_step: int = launch.flag(64, world=6,
+        help="curriculum: synthetic only for this many steps, then real only")
+    student_warmup: int = launch.flag(20, world=2,
+        help="lr warmup of mixed runs; curriculum runs use 0")
+    student_lr: float = launch.flag(1e-5, world=3e-4, help="AdamW, cosine over student_steps")
+    student_samples: int = launch.flag(32, world=8,
+        help="samples per question (the student's RLOO group)", least=2)
+    big_group: int = launch.flag(128, world=16, help="the group of the hard-only-128 row", least=2)
+    student_questions: int = launch.flag(8, world=4, help="questions per student step", least=1)
     kl_coef: float = launch.flag(0.001, "k3 KL to the model the run started from")
     lora_rank: int = launch.flag(0,
         "rank of the fresh students' adapters (METHOD.md \"LoRA\"); 0 = full fine-tuning", least=0)
     lora_alpha: float = launch.flag(32.0, "adapters' scale: the update is (alpha / rank) B A")
     temperature: float = launch.flag(1.0, "sampling temperature (training, pass@k, filter)")
-    student_max_tokens: int = launch.flag(1024,
-        "new tokens per student completion (training, pass@k, filter)", least=1)
-    teacher_max_tokens: int = launch.flag(512, "new tokens per teacher sample", least=1)
-    teacher_questions: int = launch.flag(128,
-        "questions sampled from a teacher (and real ones of upper-128)", least=1)
-    eval_every: int = launch.flag(20, "test pass@k every this many steps", least=1)
-    ckpt_every: int = launch.flag(100, "checkpoint every this many steps", least=1)
+    student_max_tokens: int = launch.flag(1024, world=WORLD_MAX_TOKENS,
+        help="new tokens per student completion (training, pass@k, filter)", least=1)
+    teacher_max_tokens: int = launch.flag(512, world=WORLD_MAX_TOKENS,
+        help="new tokens per teacher sample", least=1)
+    teacher_questions: int = launch.flag(128, world=32,
+        help="questions sampled from a teacher (and real ones of upper-128)", least=1)
+    eval_every: int = launch.flag(20, world=4, help="test pass@k every this many steps", least=1)
+    ckpt_every: int = launch.flag(100, world=8, help="checkpoint every this many steps", least=1)
     fixed_step: int = launch.flag(0,
         "> 0: report this step's test metric instead (OlympiadBench: 50)")
     # ---- early stopping (METHOD.md "Early stopping") ----
-    es_window: int = launch.flag(25, "centred moving average of the mean training reward", least=1)
+    es_window: int = launch.flag(25, world=5,
+        help="centred moving average of the mean training reward", least=1)
     es_fraction: float = launch.flag(0.15,
         "stop at the first step whose slope < this * the max slope")
-    es_average: int = launch.flag(200,
-        "report the test metric averaged over the next this many steps", least=1)
+    es_average: int = launch.flag(200, world=8,
+        help="report the test metric averaged over the next this many steps", least=1)
     # ---- diversity (METHOD.md "Diversity") ----
     embed: str = launch.flag("ngram",
         "ngram (offline, no model) or a HF model path (mean-pooled states)")
-    vendi_subset: int = launch.flag(128, "questions per bootstrap subset", least=1)
-    vendi_draws: int = launch.flag(100, "bootstrap subsets", least=1)
+    vendi_subset: int = launch.flag(128, world=32, help="questions per bootstrap subset", least=1)
+    vendi_draws: int = launch.flag(100, world=20, help="bootstrap subsets", least=1)
     # ---- systems ----
     micro_batch_tokens: int = launch.flag(16384,
         "tokens per forward/backward pass (rows x longest row)")
@@ -125,8 +131,8 @@ class Config:
         "training forward: shared (each distinct prompt once), single (one causal pass per row) "
         "or auto (rloo.SHARED_PROMPTS_BY_DEVICE: shared on CPU, single on GPU)",
         choices=("auto", "shared", "single"))
-    activation_checkpointing: bool = launch.flag(True,
-        "recompute activations: a 3B student fits beside vLLM")
+    activation_checkpointing: bool = launch.flag(True, world=False,
+        help="recompute activations: a 3B student fits beside vLLM")
     gpu_memory_utilization: float = launch.flag(0.3, "the vLLM engine's share of GPU memory")
     verbose: bool = launch.flag(False, "keep vLLM's warnings and load bars on the console")
     # ---- tracking ----
@@ -223,7 +229,7 @@ def seeds(cfg: Config) -> list[int]:
 
 
 def parse_args(argv=None) -> tuple[str, list[str], Config]:
-    p = launch.config_parser(Config, world.PRESET, description=__doc__,
+    p = launch.config_parser(Config, description=__doc__,
                              epilog="rows:\n" + "\n".join(f"  {k:14} {v.about}"
                                                           for k, v in ROWS.items()))
     p.add_argument("command", choices=list(COMMANDS))
@@ -232,7 +238,7 @@ def parse_args(argv=None) -> tuple[str, list[str], Config]:
     a = vars(p.parse_intermixed_args(argv))   # options anywhere: before, between and after the rows
     command = a["command"]
     args = a["args"]
-    cfg = launch.config_from(Config, a, world.PRESET)
+    cfg = launch.config_from(Config, a)
     error = p.error if rloo.rank0() else lambda _: sys.exit(launch.USAGE_EXIT)   # rank 0 says it
     bad = launch.too_small(cfg) + ["--temperature: need T > 0"] * (cfg.temperature <= 0)
     if bad:

@@ -69,21 +69,29 @@ def main(script: str, fn, *args) -> None:
 # -----------------------------------------------------------------------------
 # flags: one dataclass field each, its help and least value in the field's metadata
 
-def flag(default, help: str, least=None, choices=None):
-    """a Config field: its default (the paper's), its --help line, and the values it takes: at least
-    `least` (too_small says which flags are below, all at once) or one of `choices` (argparse)"""
-    return dataclasses.field(default=default,
-                             metadata={"help": help, "least": least, "choices": choices})
+def flag(default, help: str, least=None, choices=None, world=None):
+    """a Config field: its default (the paper's), its --help line, the values it takes (at least
+    `least`, too_small says which flags are below, all at once; or one of `choices`, argparse) and
+    `world`, its value on the built-in world (used without --model; None: the default there too)"""
+    return dataclasses.field(default=default, metadata={"help": help, "least": least,
+                                                        "choices": choices, "world": world})
 
 
-def config_parser(cls, preset: dict, **kwargs) -> argparse.ArgumentParser:
+def world_values(cls) -> dict:
+    """{flag: its built-in world value} of the fields of dataclass `cls` that have one"""
+    return {f.name: f.metadata["world"] for f in dataclasses.fields(cls)
+            if f.metadata.get("world") is not None}
+
+
+def config_parser(cls, **kwargs) -> argparse.ArgumentParser:
     """A parser with a --flag per field of dataclass `cls`; help: the field's own, its default and,
-    if any, the value in `preset` (the built-in world's, used without --model)."""
+    if any, its built-in world value (used without --model)."""
     p = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+    world = world_values(cls)
     for f in dataclasses.fields(cls):
         h = f"{f.metadata.get('help', '')} (default {f.default!r}"
-        if f.name in preset:
-            h += f"; built-in world {preset[f.name]!r}"
+        if f.name in world:
+            h += f"; built-in world {world[f.name]!r}"
         h = (h + ")").replace("%", "%%")
         if f.type is bool:
             p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=None,
@@ -94,19 +102,19 @@ def config_parser(cls, preset: dict, **kwargs) -> argparse.ArgumentParser:
     return p
 
 
-def config_from(cls, args: dict, preset: dict):
-    """An instance of `cls`: the flags given, else (without --model: the built-in world) the preset,
-    else the field defaults (with --model: the paper's settings). Without --model, rank 0 prints
-    every value the preset put in place of the paper's."""
+def config_from(cls, args: dict):
+    """An instance of `cls`: the flags given, else (without --model: the built-in world) the
+    fields' world values, else their defaults (with --model: the paper's settings). Without --model,
+    rank 0 prints every world value used in place of the paper's."""
     names = {f.name for f in dataclasses.fields(cls)}
     flags = {k: v for k, v in args.items() if k in names and v is not None}
-    base = {} if flags.get("model") else {k: v for k, v in preset.items() if k in names}
+    world = {} if flags.get("model") else world_values(cls)
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    replaced = [f"{k} {v!r} (paper {defaults[k]!r})" for k, v in base.items()
+    replaced = [f"{k} {v!r} (paper {defaults[k]!r})" for k, v in world.items()
                 if k not in flags and v != defaults[k]]
     if replaced:
         rloo.print0("built-in world settings: " + ", ".join(replaced), file=sys.stderr)
-    return cls(**{**base, **flags})
+    return cls(**{**world, **flags})
 
 
 def too_small(cfg) -> list[str]:

@@ -33,8 +33,15 @@ import rloo
 import world
 
 
+WORLD_MAX_TOKENS = world.MAX_TOKENS   # new tokens a completion needs on the built-in world
+
+
 @dataclasses.dataclass
 class Config:
+    # Each flag's default is the paper's; `world=` is its value on the built-in world (without
+    # --model): soar.py's sampling, with the LoRA rank and the students' lr chosen on the world's
+    # train split (docs/lora.md), the teachers' lr 10x lower: at 3e-3 they lose the format within
+    # 20-30 rounds (what they write, docs/populora.md "60 rounds").
     # ---- models and data ----
     model: str = launch.flag("", 'base model (every adapter sits on it); "" = built-in world')
     world: str = launch.flag("default",
@@ -50,8 +57,8 @@ class Config:
         "(needs 1 + 1)")
     rounds: int = launch.flag(40, "rounds of play", least=1)
     proposals: int = launch.flag(8, "problems a teacher writes a round (its RLOO group)", least=2)
-    student_samples: int = launch.flag(32, "samples per problem (the student's RLOO group)",
-                                       least=2)
+    student_samples: int = launch.flag(32, world=8,
+        help="samples per problem (the student's RLOO group)", least=2)
     evolve_every: int = launch.flag(5,
         "every this many rounds, replace each population's lowest-rated member (0: never)",
         least=0)
@@ -65,36 +72,30 @@ class Config:
     mutation_sigma: float = launch.flag(0.1, "the mutation's scale: gaussian, the noise as a share "
                                         "of each tensor's RMS; svd, the std of log(scale)")
     # ---- optimisation ----
-    teacher_lr: float = launch.flag(1e-4,
-        "AdamW, constant: the population trains while it plays (LoRA: ~10x full fine-tuning's)")
-    student_lr: float = launch.flag(1e-4, "AdamW, constant")
+    teacher_lr: float = launch.flag(1e-4, world=3e-4, help="AdamW, constant: the population "
+        "trains while it plays (LoRA: ~10x full fine-tuning's)")
+    student_lr: float = launch.flag(1e-4, world=3e-3, help="AdamW, constant")
     kl_coef: float = launch.flag(0.001, "k3 KL to the base (no adapter)")
-    lora_rank: int = launch.flag(32, "rank of every adapter", least=1)
+    lora_rank: int = launch.flag(32, world=8, help="rank of every adapter", least=1)
     lora_alpha: float = launch.flag(32.0, "adapters' scale: the update is (alpha / rank) B A")
     # ---- sampling ----
-    teacher_max_tokens: int = launch.flag(512, "new tokens per problem written", least=1)
-    student_max_tokens: int = launch.flag(1024, "new tokens per solution", least=1)
+    teacher_max_tokens: int = launch.flag(512, world=WORLD_MAX_TOKENS,
+        help="new tokens per problem written", least=1)
+    student_max_tokens: int = launch.flag(1024, world=WORLD_MAX_TOKENS,
+        help="new tokens per solution", least=1)
     temperature: float = launch.flag(1.0, "sampling temperature")
     # ---- systems ----
     micro_batch_tokens: int = launch.flag(16384,
         "tokens per forward/backward pass (rows x longest row)")
     prompt_pass: str = launch.flag("auto", "training forward: shared, single or auto "
                                    "(soar.py --help)", choices=("auto", "shared", "single"))
-    activation_checkpointing: bool = launch.flag(True, "recompute activations")
+    activation_checkpointing: bool = launch.flag(True, world=False, help="recompute activations")
     gpu_memory_utilization: float = launch.flag(0.3, "the vLLM engine's share of GPU memory")
     save_every: int = launch.flag(10, "write the PEFT folders every this many rounds and at the "
                                   "end", least=1)
     verbose: bool = launch.flag(False, "keep vLLM's warnings and load bars on the console")
 
 
-# the built-in world's settings: world.PRESET's sampling, with the LoRA rank and the students'
-# learning rate chosen for the world on its train split (docs/lora.md). Not its `students`: that
-# is SOAR's r. The teachers' rate is 10x lower: at 3e-3 they lose the format within 20-30 rounds
-# (what they write, docs/populora.md "60 rounds").
-PRESET_FROM_WORLD = ("student_samples", "student_max_tokens", "teacher_max_tokens",
-                     "activation_checkpointing")
-PRESET = {key: world.PRESET[key] for key in PRESET_FROM_WORLD}
-PRESET.update(teacher_lr=3e-4, student_lr=3e-3, lora_rank=8)
 # ratings (METHOD.md "PopuLoRA"): Elo, every member starting level
 ELO_START = 1000.0
 ELO_K = 32.0
@@ -104,8 +105,8 @@ MAY_CHANGE = {"rounds", "out", "micro_batch_tokens", "activation_checkpointing",
 
 
 def parse_args(argv=None) -> Config:
-    p = launch.config_parser(Config, PRESET, description=__doc__)
-    return launch.config_from(Config, vars(p.parse_args(argv)), PRESET)
+    p = launch.config_parser(Config, description=__doc__)
+    return launch.config_from(Config, vars(p.parse_args(argv)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,8 +39,15 @@ import rloo
 import world
 
 
+WORLD_MAX_TOKENS = world.MAX_TOKENS   # new tokens a completion needs on the built-in world
+
+
 @dataclasses.dataclass
 class Config:
+    # Each flag's default is the paper's; `world=` is its value on the built-in world (without
+    # --model): the same algorithm with smaller numbers, for a tiny model on 2 CPU cores. One
+    # student per dataset (r = 1): the world's students learn all or nothing, and with r = 2 the
+    # promoted median is the lower one. eval.py's flags of the same name have the same values.
     # ---- models and data ----
     model: str = launch.flag("",
         'base model (teacher and students start here); "" = built-in world')
@@ -53,39 +60,42 @@ class Config:
     seed: int = launch.flag(0, "every random draw derives from it (launch.seed_of)")
     # ---- outer loop (METHOD.md "Algorithm 1", "Hyperparameters"); the paper's g, n, r, M are
     # spelled out because torchrun would take --n, --r, --m as its own ----
-    outer_steps: int = launch.flag(200, "T", least=1)
+    outer_steps: int = launch.flag(200, world=15, help="T", least=1)
     num_datasets: int = launch.flag(4, "g: datasets per step (the teacher's RLOO group)")
-    dataset_size: int = launch.flag(64, "n: pairs per dataset", least=1)
-    students: int = launch.flag(4, "r: students per dataset")
-    qr_size: int = launch.flag(64, "M = |Q_R|: hard train questions per step")
+    dataset_size: int = launch.flag(64, world=8, help="n: pairs per dataset", least=1)
+    students: int = launch.flag(4, world=1, help="r: students per dataset")
+    qr_size: int = launch.flag(64, world=32, help="M = |Q_R|: hard train questions per step")
     tau: float = launch.flag(0.01, "promotion threshold on the moving average")
     window: int = launch.flag(3, "w: moving-average window", least=1)
     reward: str = launch.flag("grounded", "the teacher's reward (TEACHER_REWARDS): grounded "
         "(SOAR), learnability (Intrinsic-T) or opensir", choices=("grounded", "learnability",
                                                                   "opensir"))
-    learnability_samples: int = launch.flag(32,
-        "learnability, opensir: samples per question for its solve rate", least=1)
+    learnability_samples: int = launch.flag(32, world=8,
+        help="learnability, opensir: samples per question for its solve rate", least=1)
     max_rejection_rounds: int = launch.flag(8,
         "teacher sampling rounds before giving up on g*n valid pairs", least=1)
     # ---- inner loop (METHOD.md "Inner loop"): S = inner_steps + inner_step_inc *
     # min(promotions, inner_step_cap) ----
-    inner_steps: int = launch.flag(10, "S before any promotion", least=1)
-    inner_step_inc: int = launch.flag(5, "S grows by this per promotion...", least=0)
+    inner_steps: int = launch.flag(10, world=6, help="S before any promotion", least=1)
+    inner_step_inc: int = launch.flag(5, world=1, help="S grows by this per promotion...", least=0)
     inner_step_cap: int = launch.flag(2, "...for at most this many promotions", least=0)
-    student_questions: int = launch.flag(8, "questions per student step", least=1)
-    student_samples: int = launch.flag(32, "samples per question (the student's RLOO group)")
+    student_questions: int = launch.flag(8, world=4, help="questions per student step", least=1)
+    student_samples: int = launch.flag(32, world=8,
+        help="samples per question (the student's RLOO group)")
     # ---- optimisation (METHOD.md "Hyperparameters") ----
-    teacher_lr: float = launch.flag(1e-5, "AdamW, cosine over outer_steps")
-    teacher_warmup: int = launch.flag(20, "teacher lr warmup steps")
-    student_lr: float = launch.flag(1e-5, "AdamW, cosine over S, no warmup")
+    teacher_lr: float = launch.flag(1e-5, world=3e-4, help="AdamW, cosine over outer_steps")
+    teacher_warmup: int = launch.flag(20, world=2, help="teacher lr warmup steps")
+    student_lr: float = launch.flag(1e-5, world=3e-4, help="AdamW, cosine over S, no warmup")
     kl_coef: float = launch.flag(0.001, "k3 KL to the model the run started from")
     # ---- LoRA (METHOD.md "LoRA"): the teacher and the students as adapters on one frozen base ----
     lora_rank: int = launch.flag(0,
         "rank of the teacher's and students' adapters; 0 = full fine-tuning (the paper's)", least=0)
     lora_alpha: float = launch.flag(32.0, "adapters' scale: the update is (alpha / rank) B A")
     # ---- sampling ----
-    teacher_max_tokens: int = launch.flag(512, "new tokens per teacher sample", least=1)
-    student_max_tokens: int = launch.flag(1024, "new tokens per student completion", least=1)
+    teacher_max_tokens: int = launch.flag(512, world=WORLD_MAX_TOKENS,
+        help="new tokens per teacher sample", least=1)
+    student_max_tokens: int = launch.flag(1024, world=WORLD_MAX_TOKENS,
+        help="new tokens per student completion", least=1)
     temperature: float = launch.flag(1.0, "sampling temperature (Acc on Q_R is greedy)")
     # ---- systems ----
     student_groups: int = launch.flag(0,
@@ -96,8 +106,8 @@ class Config:
         "training forward: shared (each distinct prompt once), single (one causal pass per row) "
         "or auto (rloo.SHARED_PROMPTS_BY_DEVICE: shared on CPU, single on GPU)",
         choices=("auto", "shared", "single"))
-    activation_checkpointing: bool = launch.flag(True,
-        "recompute activations: a 3B student fits beside vLLM")
+    activation_checkpointing: bool = launch.flag(True, world=False,
+        help="recompute activations: a 3B student fits beside vLLM")
     gpu_memory_utilization: float = launch.flag(0.3, "the vLLM engine's share of GPU memory")
     save_every: int = launch.flag(10,
         "write HF teacher/, student/ every this many steps and at the end", least=1)
@@ -123,8 +133,8 @@ MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpoint
 
 
 def parse_args(argv=None) -> Config:
-    p = launch.config_parser(Config, world.PRESET, description=__doc__)
-    return launch.config_from(Config, vars(p.parse_args(argv)), world.PRESET)
+    p = launch.config_parser(Config, description=__doc__)
+    return launch.config_from(Config, vars(p.parse_args(argv)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -97,21 +97,6 @@ RECIPES["small"] = dict(   # the tests': formats and plumbing, not skill
     probe=[("add", 1), ("word", "+"), ("word", "-"), ("word", "---")])
 VERSION = 5                 # bump when the recipe changes: it is part of the cache key
 
-# The settings of soar.py and eval.py on this world (used when no --model is given; their --help
-# shows each next to the paper's default): the same algorithm with smaller numbers, for a tiny
-# model on 2 CPU cores. A key means the same thing in both scripts. One student per dataset (r = 1):
-# this world's students learn all or nothing, and with r = 2 the promoted median is the lower one.
-PRESET = dict(
-    # soar.py, the outer loop
-    outer_steps=15, num_datasets=4, dataset_size=8, students=1, qr_size=32, inner_steps=6,
-    inner_step_inc=1, teacher_lr=3e-4, teacher_warmup=2, learnability_samples=8,
-    # both: students and sampling
-    student_questions=4, student_samples=8, student_lr=3e-4, student_max_tokens=MAX_TOKENS,
-    teacher_max_tokens=MAX_TOKENS, activation_checkpointing=False,
-    # eval.py: fresh students, the fail@k filter, diversity
-    student_steps=24, student_warmup=2, switch_step=6, big_group=16, teacher_questions=32,
-    eval_every=4, ckpt_every=8, es_window=5, es_average=8, filter_samples=32, vendi_subset=32,
-    vendi_draws=20)
 # -----------------------------------------------------------------------------
 
 

@@ -18,7 +18,6 @@ import eval as ev
 import launch
 from soar_runs import kill_all, wandb_history, wandb_records
 import rloo
-import world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -335,7 +334,7 @@ def test_report_table_and_plots(tmp_path):
 def test_parse_args_world_defaults_and_paper_settings(tmp_path):
     cmd, args, cfg = ev.parse_args(["row", "base", "pq", "--seeds", "0,1"])
     assert (cmd, args, cfg.model, cfg.student_steps) == ("row", ["base", "pq"], "",
-                                                          world.PRESET["student_steps"])
+                                                          launch.world_values(ev.Config)["student_steps"])
     _, _, paper = ev.parse_args(["row", "pq", "--model", "m", "--mode", "curriculum"])
     assert (paper.student_steps, paper.student_lr, paper.student_samples, paper.student_questions,
             paper.student_warmup, paper.switch_step) == (1500, 1e-5, 32, 8, 20, 64)

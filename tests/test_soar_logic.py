@@ -1,6 +1,7 @@
 """Algorithm 1's decisions on hand-built reward tables (pure logic, no engine)."""
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -163,11 +164,11 @@ def test_hf_folders_behind_their_checkpoint(tmp_path):
     assert launch.hf_behind(str(tmp_path), {"step": 2, "promotions": 0}, ["student"]) == []
 
 
-def test_parse_args_world_preset_and_overrides():
+def test_parse_args_world_values_and_overrides():
     cfg = soar.parse_args(["--outer_steps", "3", "--activation_checkpointing"])
     assert cfg.model == "" and cfg.outer_steps == 3 and cfg.activation_checkpointing
-    assert cfg.num_datasets == world.PRESET["num_datasets"] and \
-        cfg.student_max_tokens == world.MAX_TOKENS
+    assert (cfg.dataset_size, cfg.inner_steps, cfg.student_max_tokens) == (8, 6, world.MAX_TOKENS)
+    assert cfg.num_datasets == 4   # no world value: the paper's
     paper = soar.parse_args(["--model", "m", "--train", "t.jsonl"])
     assert (paper.num_datasets, paper.dataset_size, paper.students, paper.qr_size,
             paper.outer_steps, paper.tau) == (4, 64, 4, 64, 200, 0.01)
@@ -186,15 +187,15 @@ def test_one_vocabulary_and_help(capsys, monkeypatch):
     shared = s.keys() & e.keys()
     assert {"student_lr", "student_max_tokens", "student_samples", "student_questions",
             "train"} <= shared
-    assert all((s[k].type, s[k].default) == (e[k].type, e[k].default) for k in shared - {"out"})
+    assert all((s[k].type, s[k].default, s[k].metadata["world"]) ==
+               (e[k].type, e[k].default, e[k].metadata["world"]) for k in shared - {"out"})
     assert not {"steps", "lr", "hard", "max_tokens", "samples", "questions"} & (s.keys() | e.keys())
-    assert set(world.PRESET) <= s.keys() | e.keys()   # every preset key is a flag of one of them
     monkeypatch.setenv("COLUMNS", "400")   # no wrapping inside a help text
     with pytest.raises(SystemExit):
         soar.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert f"--student_lr FLOAT AdamW, cosine over S, no warmup (default 1e-05; built-in world " \
-        f"{world.PRESET['student_lr']})" in text
+        f"{launch.world_values(Config)['student_lr']})" in text
     assert "--tau FLOAT promotion threshold on the moving average (default 0.01)" in text
 
 
@@ -224,3 +225,33 @@ def test_wandb_that_cannot_start_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(launch.UsageError,
                        match=r"^--wandb p: W&B did not start \(No API key.*offline$"):
         launch.tracker("p", "", str(tmp_path), {})
+
+
+def test_a_value_edited_at_the_top_of_soar_py_is_the_run_s(tmp_path):
+    """Both values of a flag, the paper's and the world's, stand where the flag is defined: edited
+    in a copy of soar.py, they are what the copy's parse_args and its run use (a run of the copy
+    refuses its edited world value, --dataset_size 0, before loading a model)."""
+    import importlib.util
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "soar.py")).read()
+    edited = text.replace("inner_steps: int = launch.flag(10, world=6,",
+                          "inner_steps: int = launch.flag(11, world=5,")
+    edited = edited.replace("dataset_size: int = launch.flag(64, world=8,",
+                            "dataset_size: int = launch.flag(64, world=0,")
+    assert edited.count("flag(11, world=5,") == 1 and edited.count("flag(64, world=0,") == 1
+    copy = tmp_path / "soar.py"
+    copy.write_text(edited)
+    spec = importlib.util.spec_from_file_location("soar_copy", copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.parse_args([]).inner_steps == 5
+    assert module.parse_args(["--model", "m", "--train", "t.jsonl"]).inner_steps == 11
+    env = {**os.environ, "PYTHONPATH": root}
+    p = subprocess.run([sys.executable, str(copy), "--world", "small", "--out",
+                        str(tmp_path / "run")], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == launch.USAGE_EXIT, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "--dataset_size 0: need at least 1" in p.stderr
+    assert not (tmp_path / "run").exists()
