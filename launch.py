@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import secrets
 import shutil
 import socket
 import struct
@@ -430,8 +431,49 @@ def step_counts(meter: rloo.Meter, faults_before: dict) -> dict:
     return {"skipped_updates": 0, **meter.gathered()}
 
 
+def throughput(meter: rloo.Meter, faults_before: dict, flops_per_trained_token: float) -> dict:
+    """step_counts, then tokens/s per GPU of each phase and, on a GPU of known peak, the MFU of
+    each training phase"""
+    row = step_counts(meter, faults_before)
+    W = dist.get_world_size()
+    peak = peak_flops()
+    for phase in sorted({k.split("/")[2] for k in row if k.startswith("tokens/")}):
+        n = sum(v for k, v in row.items() if k.startswith("tokens/") and k.endswith("/" + phase))
+        secs = max(meter.seconds[phase], 1e-9)
+        row[f"perf/tokens_per_s_per_gpu/{phase}"] = round(n / secs / W, 1)
+        if peak and f"tokens/trained/{phase}" in row:
+            flops = flops_per_trained_token * row[f"tokens/trained/{phase}"]
+            row[f"perf/mfu/{phase}"] = round(flops / secs / (W * peak), 4)
+    return row
+
+
 # -----------------------------------------------------------------------------
 # W&B (--wandb)
+
+def track(wb: dict, out: str, project: str, name: str, config: dict, state: dict) -> None:
+    """(rank 0, --wandb) wb = {"run": the run's W&B run, "next": the first step it does not hold}.
+    Its id is kept in the checkpoint state (and in out/wandb.json until the first checkpoint): a
+    resumed run continues the same W&B run. It first logs the committed rows W&B does not hold
+    (tracked_steps), so each step is logged once, whatever a kill lost."""
+    path = os.path.join(out, "wandb.json")
+    if "wandb" not in state:
+        if os.path.exists(path):
+            state["wandb"] = data.read_json(path)["id"]
+        else:
+            state["wandb"] = secrets.token_hex(4)
+        data.write_json(path, {"id": state["wandb"]})
+    run = tracker(project, name, out, config, state["wandb"])
+    wb.update(run=run, next=tracked_steps(run, out))
+    log_rows(wb, data.read_jsonl(os.path.join(out, "metrics.jsonl")))
+
+
+def log_rows(wb: dict, rows: list[dict]) -> None:
+    """(rank 0) each metrics row W&B does not hold yet, at its step"""
+    for r in rows:
+        if r["step"] >= wb["next"]:
+            wb["run"].log(r, step=r["step"])
+            wb["next"] = r["step"] + 1
+
 
 def tracker(project: str, name: str, folder: str, config: dict, run_id: str | None = None):
     """(rank 0; --wandb PROJECT) a W&B run logging to folder/wandb, with `config` as its config,

@@ -23,7 +23,6 @@ with --wandb PROJECT, wandb/ (W&B's files) and wandb.json (the W&B run's id).
 import dataclasses
 import os
 import random
-import secrets
 import shutil
 import sys
 import time
@@ -117,11 +116,6 @@ class Config:
     wandb_name: str = launch.flag("", "the W&B run's name (\"\" = W&B picks one)")
 
 
-# the OpenSIR-style teacher reward (METHOD.md "OpenSIR-style reward")
-OPENSIR_BAND = (0.1, 0.9)   # calibrated: the baseline student's solve rate is inside this band
-OPENSIR_DIVERSITY = 0.5     # weight of novelty, 1 - max cosine similarity to an archived question
-OPENSIR_ARCHIVE = 1024      # novelty compares to the teacher's latest valid questions (past steps)
-
 # the error of a teacher that stops writing valid pairs (teacher_samples)
 TEACHER_FILTER = ("the format filter at step {step}: the teacher no longer writes valid "
                   "question-answer pairs in the format of data.TEACHER_PROMPT (raise "
@@ -184,26 +178,9 @@ def can_promote(cfg: Config, history: list[float]) -> bool:
             and (sum(prev) + 1) / cfg.window > cfg.tau)
 
 
-def learnability(success_rates: list[float]) -> float:
-    """r_q = 0 if s = 0 else 1 - s, averaged over the dataset (METHOD.md "Intrinsic-T")."""
-    return sum(0.0 if s == 0 else 1.0 - s for s in success_rates) / len(success_rates)
-
-
-def opensir(success_rates: list[float], novelty: list[float]) -> list[float]:
-    """Per question (METHOD.md "OpenSIR-style reward"): 1 if the baseline's solve rate s is inside
-    OPENSIR_BAND, plus OPENSIR_DIVERSITY * its novelty."""
-    lo, hi = OPENSIR_BAND
-    return [float(lo <= s <= hi) + OPENSIR_DIVERSITY * v for s, v in zip(success_rates, novelty)]
-
-
-def novelty(questions: list[str], archive: list[str]) -> list[float]:
-    """Per question: 1 - the highest cosine similarity of its n-gram embedding to an archived
-    question's (1 while the archive is empty)."""
-    if not archive:
-        return [1.0] * len(questions)
-    similarity = data.embed_ngram(questions) @ data.embed_ngram(archive).T
-    return (1 - similarity.max(1)).tolist()
-
+# ---------------------------------------------------------------------------------------------
+# The teacher's reward: a function of what step 5 measured of one dataset. SOAR's is grounded;
+# the baselines' and the table --reward chooses from (TEACHER_REWARDS) are further down.
 
 @dataclasses.dataclass
 class Measured:
@@ -222,28 +199,11 @@ def grounded(m: Measured) -> list[float]:
     return [acc - m.acc0 for acc in m.accs]
 
 
-def learnability_reward(m: Measured) -> list[float]:
-    """Intrinsic-T (METHOD.md "Intrinsic-T"): R_k = X_k's mean learnability"""
-    return [learnability(m.solve_rates)]
-
-
-def opensir_reward(m: Measured) -> list[float]:
-    """R_k = X_k's mean OpenSIR-style reward (METHOD.md "OpenSIR-style reward")"""
-    per_question = opensir(m.solve_rates, m.novelty)
-    return [sum(per_question) / len(per_question)]
-
-
 @dataclasses.dataclass(frozen=True)
 class TeacherReward:
     score: object           # (Measured) -> X_k's row of R: one reward per student, or one
     trains_students: bool   # step 5 trains r students per X_k, so a step can promote one
                             # (METHOD.md "Promotion"); else it measures the baseline's solve rates
-
-
-# --reward: how the teacher's datasets are scored (step 5). A new reward is one entry here.
-TEACHER_REWARDS = {"grounded": TeacherReward(grounded, trains_students=True),
-                   "learnability": TeacherReward(learnability_reward, trains_students=False),
-                   "opensir": TeacherReward(opensir_reward, trains_students=False)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,12 +212,11 @@ TEACHER_REWARDS = {"grounded": TeacherReward(grounded, trains_students=True),
 @dataclasses.dataclass
 class Step:
     """What step 5 (measure) is given: the g datasets, Q_R and the baseline's Acc0 on it (this
-    student group's), and the meter of the step's phases."""
+    student group's)."""
     index: int
     datasets: list          # g lists of n (question, answer) pairs: X_1..X_g
     q_r: list[dict]         # M hard train problems
     acc0: float
-    meter: rloo.Meter
 
 
 def main(cfg: Config):
@@ -272,20 +231,20 @@ def main(cfg: Config):
     bar = tqdm(range(first_step, cfg.outer_steps), initial=first_step, total=cfg.outer_steps,
                disable=not rloo.rank0(), desc="SOAR", dynamic_ncols=True)
     for step in bar:
-        meter = rloo.Meter()
+        run.meter = rloo.Meter()   # this step's seconds and tokens, by phase
         faults = data.grading_faults()
         t_step = time.perf_counter()
         S = inner_steps(cfg, state["promotions"])   # this step's inner loop (a promotion: next's)
         # 1-2. the teacher samples g*n valid pairs (by rejection), split in order into X_1..X_g
-        kept, sampled = teacher_samples(cfg, run, step, meter)
+        kept, sampled = teacher_samples(cfg, run, step)
         datasets = split_datasets([pair for _, pair in kept], cfg.num_datasets)
         # 3-4. a fresh Q_R and the baseline's greedy accuracy on it
         q_r = sample_q_r(cfg, run, step)
-        acc0 = baseline_accuracy(cfg, run, q_r, meter)
+        acc0 = baseline_accuracy(cfg, run, q_r)
         # 5. the g x r table R: grounded, R_kj = Acc(a student trained on X_k from theta) - Acc0;
         # the intrinsic baselines, one column: X_k's mean reward (TEACHER_REWARDS)
         teacher_reward = TEACHER_REWARDS[cfg.reward]
-        measured, snaps, held = measure(cfg, run, Step(step, datasets, q_r, acc0, meter),
+        measured, snaps, held = measure(cfg, run, Step(step, datasets, q_r, acc0),
                                         teacher_reward.trains_students)
         R = [teacher_reward.score(m) for m in measured]
         R_k = [sum(row) / len(row) for row in R]
@@ -293,12 +252,12 @@ def main(cfg: Config):
         tau = cfg.tau if teacher_reward.trains_students else float("inf")
         reward, ma, chosen, state["history"] = decide(state["history"], R, cfg.window, tau)
         if chosen:
-            run.theta = promote(cfg, run, chosen, snaps, meter)
+            run.theta = promote(cfg, run, chosen, snaps)
             state["promotions"] += 1
             state["pq"] += cfg.dataset_size
         del snaps
         # 8. teacher RLOO update: every completion of X_k gets A_k
-        stats = teacher_update(cfg, run, kept, R_k, meter)
+        stats = teacher_update(cfg, run, kept, R_k)
         state["step"] = step + 1
         row = dict(step=step, acc0=acc0,
                    acc0_groups=rloo.all_gather(acc0)[::run.mesh["fsdp"].size()],   # group 0's: acc0
@@ -308,9 +267,9 @@ def main(cfg: Config):
                    inner_steps=S,
                    teacher_valid_rate=len(kept) / sampled, teacher_samples=sampled,
                    teacher_loss=stats["loss"], teacher_kl=stats["kl"], snapshots=held,
-                   **{k: round(v, 3) for k, v in meter.seconds.items()},
+                   **{k: round(v, 3) for k, v in run.meter.seconds.items()},
                    total=round(time.perf_counter() - t_step, 3))
-        row.update(throughput(cfg, run, meter, faults))
+        row.update(throughput(cfg, run, faults))
         pq_rows, q_rows = question_rows(step, datasets, R_k, chosen)
         commit_step(cfg, run, state, {"metrics.jsonl": [row], "pq.jsonl": pq_rows,
                                       "questions.jsonl": q_rows}, promoted=bool(chosen))
@@ -325,12 +284,12 @@ def main(cfg: Config):
 # ---------------------------------------------------------------------------------------------
 # the pieces of one outer step, in the order of Algorithm 1
 
-def teacher_samples(cfg: Config, run, step: int, meter: rloo.Meter) -> tuple[list, int]:
+def teacher_samples(cfg: Config, run, step: int) -> tuple[list, int]:
     """Steps 1-2: g*n valid pairs from the teacher, by rejection sampling on all W engines
     (METHOD.md "Format filter"); round i draws from seed_of(seed, step, "teacher", i). Returns the
     kept (Sample, (question, answer)) in sampling order and the number of samples drawn."""
-    with meter.timed("teacher_generation"):
-        with meter.timed("sync"):
+    with run.meter.timed("teacher_generation"):
+        with run.meter.timed("sync"):
             rloo.sync_weights(run.teacher, run.llm)
         seeds = [launch.seed_of(cfg.seed, step, "teacher", i)
                  for i in range(cfg.max_rejection_rounds)]
@@ -339,7 +298,7 @@ def teacher_samples(cfg: Config, run, step: int, meter: rloo.Meter) -> tuple[lis
                                  parse=data.parse_teacher_batch, round_seeds=seeds,
                                  max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,
                                  what=TEACHER_FILTER.format(step=step), group=dist.group.WORLD,
-                                 meter=meter)
+                                 meter=run.meter)
 
 
 def split_datasets(pairs: list, g: int) -> list[list]:
@@ -354,27 +313,27 @@ def sample_q_r(cfg: Config, run, step: int) -> list[dict]:
     return data.sample_questions(run.hard, cfg.qr_size, rng)
 
 
-def baseline_accuracy(cfg: Config, run, q_r: list[dict], meter: rloo.Meter) -> float:
+def baseline_accuracy(cfg: Config, run, q_r: list[dict]) -> float:
     """Step 4: Acc0, the baseline student's greedy accuracy on Q_R, once per step and student group:
     on the group's own engines, as its trained students are measured (greedy bf16 decoding is not
     batch-invariant: Acc0 from other engines or batches could differ by more than tau)."""
     rloo.restore(run.student, run.theta)
-    return accuracies(cfg, run, q_r, [run.student], meter)[0]
+    return accuracies(cfg, run, q_r, [run.student])[0]
 
 
-def accuracies(cfg: Config, run, questions: list[dict], policies: list, meter: rloo.Meter):
+def accuracies(cfg: Config, run, questions: list[dict], policies: list):
     """Each policy's greedy accuracy (METHOD.md "Rewards": Acc is binary, greedy) on the group's
     engines, all in one engine call (several policies: LoRA adapters, rloo.adapters_of)."""
-    with meter.timed("sync"):
+    with run.meter.timed("sync"):
         for policy in policies:
             rloo.sync_weights(policy, run.llm)
     M = len(questions)
-    with meter.timed("evaluation"):
+    with run.meter.timed("evaluation"):
         counts = rloo.count_correct(run.llm, questions * len(policies), prompt=data.student_prompt,
                                     correct=data.solved, n=1, temperature=0.0,
                                     max_tokens=cfg.student_max_tokens, seed=0,
                                     adapters=rloo.adapters_of(policies, [M] * len(policies)),
-                                    group=run.mesh["fsdp"].get_group(), meter=meter)
+                                    group=run.mesh["fsdp"].get_group(), meter=run.meter)
     return [sum(counts[b * M:(b + 1) * M]) / M for b in range(len(policies))]
 
 
@@ -403,27 +362,19 @@ def train_students(cfg: Config, run, wave: list[tuple[int, int]], step: Step) ->
                       seed=launch.seed_of(cfg.seed, step.index, "student", k, j, s),
                       group=run.mesh["fsdp"].get_group(),
                       micro_batch_tokens=cfg.micro_batch_tokens,
-                      advantages=rloo.rloo_advantages, loss=rloo.rloo_loss, meter=step.meter)
+                      advantages=rloo.rloo_advantages, loss=rloo.rloo_loss, meter=run.meter)
     return policies
 
 
 def measure(cfg: Config, run, step: Step, trains_students: bool):
-    """Step 5's measurements of each X_k (Measured): the Acc of its r students (trained here), or
-    the baseline's solve rates and their novelty (the archive, in the run's state and so in the
-    checkpoint, then takes this step's questions). Returns them, the promotion candidates this
-    group must keep and the most any rank keeps (trained_accuracies)."""
-    if trains_students:
-        accs, snaps, held = trained_accuracies(cfg, run, step)
-        measured = [Measured(X, step.acc0, X_accs, [], [])
-                    for X, X_accs in zip(step.datasets, accs)]
-        return measured, snaps, held
-    questions, rates = solve_rates(cfg, run, step)
-    novelties = novelty(questions, run.state["archive"])
-    run.state["archive"] = (run.state["archive"] + questions)[-OPENSIR_ARCHIVE:]
-    g = cfg.num_datasets
-    measured = [Measured(X, step.acc0, [], X_rates, X_novelties) for X, X_rates, X_novelties
-                in zip(step.datasets, split_datasets(rates, g), split_datasets(novelties, g))]
-    return measured, {}, 0
+    """Step 5's measurements of each X_k (Measured): the Acc of its r students, trained here, or,
+    for a baseline's reward, what measure_baseline measures. Returns them, the promotion candidates
+    this group must keep and the most any rank keeps (trained_accuracies)."""
+    if not trains_students:
+        return measure_baseline(cfg, run, step), {}, 0
+    accs, snaps, held = trained_accuracies(cfg, run, step)
+    measured = [Measured(X, step.acc0, X_accs, [], []) for X, X_accs in zip(step.datasets, accs)]
+    return measured, snaps, held
 
 
 def trained_accuracies(cfg: Config, run, step: Step):
@@ -439,9 +390,9 @@ def trained_accuracies(cfg: Config, run, step: Step):
     mine = students(cfg)[run.mesh.get_local_rank("group")::run.mesh["group"].size()]
     waves = [mine[i:i + len(run.wave)] for i in range(0, len(mine), len(run.wave))]
     for wave in waves:
-        with step.meter.timed("student_training"):
+        with run.meter.timed("student_training"):
             policies = train_students(cfg, run, wave, step)
-        accs = accuracies(cfg, run, step.q_r, policies, step.meter)
+        accs = accuracies(cfg, run, step.q_r, policies)
         for (k, j), policy, a in zip(wave, policies, accs):
             acc[k, j] = a
             if keep and (k, j) != waves[-1][0]:
@@ -452,47 +403,34 @@ def trained_accuracies(cfg: Config, run, step: Step):
     return table, snaps, max(n for _, n in parts)
 
 
-def solve_rates(cfg: Config, run, step: Step) -> tuple[list[str], list[float]]:
-    """the questions of the g datasets, flat, and the baseline student's solve rate on each (its
-    weights are in the engines already): what the intrinsic rewards are made of"""
-    flat = [{"question": q, "answer": a} for X in step.datasets for q, a in X]
-    with step.meter.timed("evaluation"):
-        counts = rloo.count_correct(run.llm, flat, prompt=data.student_prompt, correct=data.solved,
-                                    n=cfg.learnability_samples, group=dist.group.WORLD,
-                                    temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
-                                    seed=launch.seed_of(cfg.seed, step.index, "learnability"),
-                                    meter=step.meter)
-    return [q["question"] for q in flat], [c / cfg.learnability_samples for c in counts]
-
-
 def students(cfg: Config) -> list[tuple[int, int]]:
     """the (k, j) of every student of a step; group i trains students[i::G] (trained_accuracies)"""
     return [(k, j) for k in range(cfg.num_datasets) for j in range(cfg.students)]
 
 
-def promote(cfg: Config, run, chosen, snaps, meter: rloo.Meter) -> dict:
+def promote(cfg: Config, run, chosen, snaps) -> dict:
     """theta := the chosen student (METHOD.md "Promotion"): its group broadcasts its shards to all.
     The group holds it as a snapshot, or still in its model if the group trained it last."""
     src = students(cfg).index(chosen) % run.mesh["group"].size()   # the group that trained it
     theta = run.theta
     if run.mesh.get_local_rank("group") == src:
         theta = snaps[chosen] if chosen in snaps else rloo.snapshot(run.student)
-    with meter.timed("sync"):
+    with run.meter.timed("sync"):
         rloo.broadcast_snapshot(theta, src, run.mesh["group"].get_group())
     return theta
 
 
-def teacher_update(cfg: Config, run, kept: list, R_k: list[float], meter: rloo.Meter) -> dict:
+def teacher_update(cfg: Config, run, kept: list, R_k: list[float]) -> dict:
     """Step 8 (METHOD.md "Teacher update"): one RLOO update of the teacher, every completion of X_k
     with A_k, each rank on its share of the g*n samples"""
     n = cfg.dataset_size
-    with meter.timed("teacher_update"):
+    with run.meter.timed("teacher_update"):
         adv = teacher_advantages(R_k)
         rows = rloo.my_share([(s, adv[i // n]) for i, (s, _) in enumerate(kept)])
         return rloo.train_step(run.teacher, [s.prompt_token_ids for s, _ in rows],
                                [s.token_ids for s, _ in rows], [a for _, a in rows],
                                loss=rloo.rloo_loss, temperature=cfg.temperature,
-                               micro_batch_tokens=cfg.micro_batch_tokens, meter=meter)
+                               micro_batch_tokens=cfg.micro_batch_tokens, meter=run.meter)
 
 
 def question_rows(step: int, datasets: list[list], R_k: list[float], chosen) -> tuple[list, list]:
@@ -515,6 +453,80 @@ def console_line(row: dict, outer_steps: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# The baselines' teacher rewards (METHOD.md "Intrinsic-T", "OpenSIR-style reward"): no students are
+# trained; step 5 measures the baseline student's solve rates on X_k instead. Then the table of
+# every teacher reward, SOAR's among them, that --reward chooses from.
+
+# the OpenSIR-style teacher reward (METHOD.md "OpenSIR-style reward")
+OPENSIR_BAND = (0.1, 0.9)   # calibrated: the baseline student's solve rate is inside this band
+OPENSIR_DIVERSITY = 0.5     # weight of novelty, 1 - max cosine similarity to an archived question
+OPENSIR_ARCHIVE = 1024      # novelty compares to the teacher's latest valid questions (past steps)
+
+
+def measure_baseline(cfg: Config, run, step: Step) -> list[Measured]:
+    """Step 5 for a baseline's reward: the baseline student's solve rate on each question of X_k,
+    and its novelty against the archive (which is in the run's state, and so in the checkpoint,
+    and then takes this step's questions)"""
+    questions, rates = solve_rates(cfg, run, step)
+    novelties = novelty(questions, run.state["archive"])
+    run.state["archive"] = (run.state["archive"] + questions)[-OPENSIR_ARCHIVE:]
+    g = cfg.num_datasets
+    return [Measured(X, step.acc0, [], X_rates, X_novelties) for X, X_rates, X_novelties
+            in zip(step.datasets, split_datasets(rates, g), split_datasets(novelties, g))]
+
+
+def solve_rates(cfg: Config, run, step: Step) -> tuple[list[str], list[float]]:
+    """the questions of the g datasets, flat, and the baseline student's solve rate on each (its
+    weights are in the engines already): what the intrinsic rewards are made of"""
+    flat = [{"question": q, "answer": a} for X in step.datasets for q, a in X]
+    with run.meter.timed("evaluation"):
+        counts = rloo.count_correct(run.llm, flat, prompt=data.student_prompt, correct=data.solved,
+                                    n=cfg.learnability_samples, group=dist.group.WORLD,
+                                    temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
+                                    seed=launch.seed_of(cfg.seed, step.index, "learnability"),
+                                    meter=run.meter)
+    return [q["question"] for q in flat], [c / cfg.learnability_samples for c in counts]
+
+
+def learnability(success_rates: list[float]) -> float:
+    """r_q = 0 if s = 0 else 1 - s, averaged over the dataset (METHOD.md "Intrinsic-T")."""
+    return sum(0.0 if s == 0 else 1.0 - s for s in success_rates) / len(success_rates)
+
+
+def learnability_reward(m: Measured) -> list[float]:
+    """Intrinsic-T (METHOD.md "Intrinsic-T"): R_k = X_k's mean learnability"""
+    return [learnability(m.solve_rates)]
+
+
+def opensir(success_rates: list[float], novelty: list[float]) -> list[float]:
+    """Per question (METHOD.md "OpenSIR-style reward"): 1 if the baseline's solve rate s is inside
+    OPENSIR_BAND, plus OPENSIR_DIVERSITY * its novelty."""
+    lo, hi = OPENSIR_BAND
+    return [float(lo <= s <= hi) + OPENSIR_DIVERSITY * v for s, v in zip(success_rates, novelty)]
+
+
+def opensir_reward(m: Measured) -> list[float]:
+    """R_k = X_k's mean OpenSIR-style reward (METHOD.md "OpenSIR-style reward")"""
+    per_question = opensir(m.solve_rates, m.novelty)
+    return [sum(per_question) / len(per_question)]
+
+
+def novelty(questions: list[str], archive: list[str]) -> list[float]:
+    """Per question: 1 - the highest cosine similarity of its n-gram embedding to an archived
+    question's (1 while the archive is empty)."""
+    if not archive:
+        return [1.0] * len(questions)
+    similarity = data.embed_ngram(questions) @ data.embed_ngram(archive).T
+    return (1 - similarity.max(1)).tolist()
+
+
+# --reward: how the teacher's datasets are scored (step 5). A new reward is one entry here.
+TEACHER_REWARDS = {"grounded": TeacherReward(grounded, trains_students=True),
+                   "learnability": TeacherReward(learnability_reward, trains_students=False),
+                   "opensir": TeacherReward(opensir_reward, trains_students=False)}
+
+
+# ---------------------------------------------------------------------------------------------
 # set-up and saving: not the method, but what makes a run start, resume and leave outputs
 
 @dataclasses.dataclass
@@ -530,7 +542,8 @@ class Run:
     hard: list                  # the hard train split
     state: dict                 # what a checkpoint holds besides the weights
     n_params: int
-    wandb: dict                 # rank 0 with --wandb: the W&B run (track); else empty
+    wandb: dict                 # rank 0 with --wandb: the W&B run (launch.track); else empty
+    meter: rloo.Meter = dataclasses.field(default_factory=rloo.Meter)   # this step's phases
 
 
 def student_groups(cfg: Config, world_size: int) -> int:
@@ -576,8 +589,9 @@ def setup(cfg: Config) -> Run | None:
     state = state or dict(step=0, history=[], promotions=0, pq=0, archive=[])
     launch.restore_rows(cfg.out, ckpt, OUTPUTS)   # the files hold exactly the committed steps
     wb = {}   # rank 0 with --wandb: the W&B run and the first step it does not hold
-    if cfg.wandb:
-        rloo.on_rank0(track, cfg, state, wb)   # its error (no login) ends every rank
+    if cfg.wandb:   # its error (no login) ends every rank
+        rloo.on_rank0(launch.track, wb, cfg.out, cfg.wandb, cfg.wandb_name,
+                      dataclasses.asdict(cfg), state)
     if state["step"] >= cfg.outer_steps and not rloo.on_rank0(launch.hf_behind, cfg.out, state):
         rloo.print0(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
         return None
@@ -662,49 +676,12 @@ def announce(cfg: Config, world_size: int, G: int, n_params: int, n_trained: int
               f"({size(32 * n_trained)}): a save may fail", file=sys.stderr)
 
 
-def track(cfg: Config, state: dict, wb: dict) -> None:
-    """(rank 0, --wandb) wb = {"run": the run's W&B run, "next": the first step it does not hold}.
-    Its id is kept in the checkpoint state (and in out/wandb.json until the first checkpoint): a
-    resumed run continues the same W&B run. It first logs the committed rows W&B does not hold
-    (launch.tracked_steps), so each step is logged once, whatever a kill lost."""
-    path = os.path.join(cfg.out, "wandb.json")
-    if "wandb" not in state:
-        if os.path.exists(path):
-            state["wandb"] = data.read_json(path)["id"]
-        else:
-            state["wandb"] = secrets.token_hex(4)
-        data.write_json(path, {"id": state["wandb"]})
-    run = launch.tracker(cfg.wandb, cfg.wandb_name, cfg.out, dataclasses.asdict(cfg),
-                         state["wandb"])
-    wb.update(run=run, next=launch.tracked_steps(run, cfg.out))
-    log_rows(wb, data.read_jsonl(os.path.join(cfg.out, "metrics.jsonl")))
-
-
-def log_rows(wb: dict, rows: list[dict]) -> None:
-    """(rank 0) each metrics row W&B does not hold yet, at its step"""
-    for r in rows:
-        if r["step"] >= wb["next"]:
-            wb["run"].log(r, step=r["step"])
-            wb["next"] = r["step"] + 1
-
-
-def throughput(cfg: Config, run: Run, meter: rloo.Meter, faults_before: dict) -> dict:
-    """The step's counts over all ranks: grading faults, skipped updates, tokens generated and
-    trained per phase; tokens/s per GPU per phase and, on a GPU of known peak, training phases' MFU:
-    6N FLOP/trained token, 8N with the KL reference's forward (excl. attention, recomputation);
-    with LoRA 4N and 6N (the frozen base gets no weight gradients; the adapters' FLOPs left out)."""
-    row = launch.step_counts(meter, faults_before)
-    W = dist.get_world_size()
-    peak = launch.peak_flops()
-    for phase in sorted({k.split("/")[2] for k in row if k.startswith("tokens/")}):
-        n = sum(v for k, v in row.items() if k.startswith("tokens/") and k.endswith("/" + phase))
-        secs = max(meter.seconds[phase], 1e-9)
-        row[f"perf/tokens_per_s_per_gpu/{phase}"] = round(n / secs / W, 1)
-        if peak and f"tokens/trained/{phase}" in row:
-            per_token = (4 if cfg.lora_rank else 6) + 2 * (cfg.kl_coef > 0)
-            flops = per_token * run.n_params * row[f"tokens/trained/{phase}"]
-            row[f"perf/mfu/{phase}"] = round(flops / secs / (W * peak), 4)
-    return row
+def throughput(cfg: Config, run: Run, faults_before: dict) -> dict:
+    """The step's counts and speeds (launch.throughput); a trained token costs 6N FLOP, 8N with
+    the KL reference's forward (attention and recomputation left out); with LoRA 4N and 6N (the
+    frozen base gets no weight gradients; the adapters' FLOPs left out)."""
+    flops_per_token = (4 if cfg.lora_rank else 6) + 2 * (cfg.kl_coef > 0)
+    return launch.throughput(run.meter, faults_before, flops_per_token * run.n_params)
 
 
 def commit_step(cfg: Config, run: Run, state: dict, rows: dict, promoted: bool) -> None:
@@ -718,7 +695,7 @@ def commit_step(cfg: Config, run: Run, state: dict, rows: dict, promoted: bool) 
                            {**state, "config": dataclasses.asdict(cfg)},
                            unchanged=() if promoted else ("student",), rows=rows)
     if run.wandb:
-        log_rows(run.wandb, rows["metrics.jsonl"])
+        launch.log_rows(run.wandb, rows["metrics.jsonl"])
     if state["step"] % cfg.save_every == 0 or state["step"] >= cfg.outer_steps:
         save_hf(cfg, run, state)
 
