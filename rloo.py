@@ -269,6 +269,10 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
     # engine's own copy, which is right (set after LLM(): vLLM configures its loggers there)
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
     llm.adapter = None   # the LoRARequest a request gets unless told one (sync_weights sets it)
+    # adapters are served on model_path's weights: after other full weights went in (serve_hf,
+    # sync_weights), serve_adapter puts these back first (METHOD.md "LoRA")
+    llm.base_path = model_path
+    llm.base_replaced = False
     llm.adapter_ids = 0  # adapter ids used so far: each version gets a new one (sync_adapter)
     # where this rank writes the adapters it serves (RAM-backed where there is /dev/shm)
     llm.adapter_dir = tempfile.mkdtemp(prefix="rloo-adapters-",
@@ -300,8 +304,10 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
              seed: int, group=None, adapters: list | None = None, logprobs: bool = False,
              meter: Meter | None = None) -> list[list[Sample]]:
     """result[i] = the n samples of prompts[i] (a string or token ids); with a group, prompts are
-    split over its ranks and every rank returns the full list. Request i has seed + i (i global):
-    results do not depend on the split, and repeated prompts get distinct seeds. Request i is
+    split over its ranks and every rank returns the full list. Request i has seed + i * n (i
+    global): results do not depend on the split, and no two samples of the call share a seed (vLLM
+    seeds child j of a request with its seed + j; with seed + i, child j + 1 of request i and child
+    j of request i + 1 were the same draw, the same completion for a repeated prompt). Request i is
     served by adapters[i] (LoRA: several adapters in one call), else by what was synced last.
     `logprobs`: keep the engine's log-prob of each sampled token."""
     from vllm import SamplingParams   # (see build_engine)
@@ -311,7 +317,7 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
     inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts[lo:hi]]
     greedy = temperature == 0   # vLLM refuses n > 1 when greedy: sample once, repeat n times
     params = [SamplingParams(n=1 if greedy else n, temperature=temperature, max_tokens=max_tokens,
-                             seed=seed + i, logprobs=0 if logprobs else None)
+                             seed=seed + i * n, logprobs=0 if logprobs else None)
               for i in range(lo, hi)]
     lora = adapters[lo:hi] if adapters is not None else llm.adapter
     outs = llm.generate(inputs, params, lora_request=lora, use_tqdm=False) if inputs else []
@@ -357,14 +363,14 @@ def count_correct(llm, problems: list[dict], *, prompt, correct, n: int, max_tok
     """How many of n samples of prompt(question) are correct(completions, answers) per problem
     ({"question", "answer"}): greedy accuracy (n = 1, temperature 0), pass@k and fail@k all count
     this way. Sampled in chunks of prompts so 5000 x 128 samples never sit in memory at once;
-    request i carries seed + i whatever the chunking (generate), so results do not depend on it.
+    request i carries seed + i * n whatever the chunking (generate), so results do not depend on it.
     `adapters` (LoRA): the adapter serving each problem (adapters_of), for several in one call."""
     step = chunk_prompts or max(1, 8192 // n)
     counts = []
     for lo in range(0, len(problems), step):
         part = problems[lo:lo + step]
         outs = generate(llm, [prompt(p["question"]) for p in part], n=n, temperature=temperature,
-                        max_tokens=max_tokens, seed=seed + lo, group=group,
+                        max_tokens=max_tokens, seed=seed + lo * n, group=group,
                         adapters=adapters[lo:lo + step] if adapters else None, meter=meter)
         pairs = [(s.text, p["answer"]) for o, p in zip(outs, part) for s in o]
         right = split_map(lambda share: correct([c for c, _ in share], [a for _, a in share]),
@@ -538,7 +544,13 @@ def _load_base(path: str, dev, activation_checkpointing: bool):
         holder = model.model.layers.get_submodule(parent)
         setattr(holder, leaf, LoraLinear(getattr(holder, leaf)))
     model.requires_grad_(False)
-    model.train(True)   # HF recomputes activations (activation_checkpointing) only in training
+    # eval mode: no dropout, so the base alone is a fixed KL reference and base + adapter the
+    # function the engine samples; but HF recomputes a decoder layer's activations
+    # (activation_checkpointing) only while that layer is training: its own flag alone is set
+    model.eval()
+    if activation_checkpointing:
+        for layer in model.model.layers:
+            layer.training = True
     return model.to(dev)
 
 
@@ -589,19 +601,32 @@ def write_adapter(policy: Policy, path: str, dtype=torch.float32) -> None:
         json.dump(adapter_config(policy), f, indent=1)
 
 
-def adapter_rank(path: str) -> int:
-    """the rank of the PEFT LoRA folder `path`; 0 if it is not one"""
+def _adapter_config(path: str) -> dict:
+    """adapter_config.json of the PEFT LoRA folder `path`; {} if it is not one"""
     config = os.path.join(path, LORA_FILES[0])
     if not os.path.exists(config):
-        return 0
+        return {}
     with open(config, encoding="utf-8") as f:
-        return json.load(f)["r"]
+        return json.load(f)
+
+
+def adapter_rank(path: str) -> int:
+    """the rank of the PEFT LoRA folder `path`; 0 if it is not one"""
+    return _adapter_config(path).get("r", 0)
+
+
+def adapter_base(path: str) -> str:
+    """the base model the PEFT LoRA folder `path` was trained on; "" if it is not one"""
+    return _adapter_config(path).get("base_model_name_or_path", "")
 
 
 def serve_adapter(llm, path: str):
     """The PEFT folder `path` into this rank's engine under a new id, loaded now; requests are
-    served by it from then on (generate). Returns its LoRARequest."""
+    served by it from then on (generate). Returns its LoRARequest. Adapters are served on the
+    engine's base: full weights served or synced since are replaced by the base's first."""
     from vllm.lora.request import LoRARequest   # (see build_engine)
+    if llm.base_replaced:
+        serve_hf(llm, llm.base_path)
     llm.adapter_ids += 1
     request = LoRARequest(f"adapter-{llm.adapter_ids}", llm.adapter_ids, path)
     llm.llm_engine.add_lora(request)
@@ -936,6 +961,18 @@ def sync_weights(policy: Policy, llm) -> None:
         pass
     llm.reset_prefix_cache()
     llm.adapter = None   # requests are served by these weights
+    llm.base_replaced = True
+
+
+def serve_hf(llm, path: str) -> None:
+    """The full weights of the HF folder `path` into this rank's engine, read by vLLM's own loader
+    (no trainer, no optimizer: an inference row of eval.py); requests are served by them from then
+    on. The folder must hold the engine's architecture (a fine-tune of the model it was built
+    from). vLLM's reload also drops every adapter it holds: serve_adapter loads them again."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    llm.reset_prefix_cache()
+    llm.adapter = None
+    llm.base_replaced = os.path.realpath(path) != os.path.realpath(llm.base_path)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

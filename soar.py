@@ -347,9 +347,13 @@ def sample_q_r(cfg: Config, run, step: int) -> list[dict]:
 def baseline_accuracy(cfg: Config, run, q_r: list[dict], meter: rloo.Meter) -> float:
     """Step 4: Acc0, the baseline student's greedy accuracy on Q_R, once per step and student group:
     on the group's own engines, as its trained students are measured (greedy bf16 decoding is not
-    batch-invariant: Acc0 from other engines or batches could differ by more than tau)."""
-    rloo.restore(run.student, run.theta)
-    return accuracies(cfg, run, q_r, [run.student], meter)[0]
+    batch-invariant: Acc0 from other engines or batches could differ by more than tau). With LoRA
+    the group's first wave (trained_accuracies), all at theta, in one call as its students are
+    measured (same batch shape and order, METHOD.md "Algorithm 1"): Acc0 is the first's."""
+    policies = run.wave[:max(1, len(my_students(cfg, run)))]
+    for policy in policies:
+        rloo.restore(policy, run.theta)
+    return accuracies(cfg, run, q_r, policies, meter)[0]
 
 
 def accuracies(cfg: Config, run, questions: list[dict], policies: list, meter: rloo.Meter):
@@ -386,7 +390,7 @@ def train_students(cfg: Config, run, wave: list[tuple[int, int]], step: Step) ->
     for s in range(S):
         batches = [[step.datasets[k][order[(s * Q + i) % len(order)]] for i in range(Q)]
                    for (k, _), order in zip(wave, orders)]
-        k, j = wave[0]   # request i of the call is sampled with this seed + i (rloo.generate)
+        k, j = wave[0]   # request i of the call is sampled with this seed + i * n (rloo.generate)
         rloo.rl_steps(policies, run.llm, batches, prompt=data.student_prompt, reward=data.grade,
                       samples=cfg.student_samples, temperature=cfg.temperature,
                       max_tokens=cfg.student_max_tokens,
@@ -426,7 +430,7 @@ def trained_accuracies(cfg: Config, run, step: Step):
     keep = can_promote(cfg, run.state["history"])
     acc = {}
     snaps = {}
-    mine = students(cfg)[run.mesh.get_local_rank("group")::run.mesh["group"].size()]
+    mine = my_students(cfg, run)
     waves = [mine[i:i + len(run.wave)] for i in range(0, len(mine), len(run.wave))]
     for wave in waves:
         with step.meter.timed("student_training"):
@@ -458,6 +462,11 @@ def solve_rates(cfg: Config, run, step: Step) -> tuple[list[str], list[float]]:
 def students(cfg: Config) -> list[tuple[int, int]]:
     """the (k, j) of every student of a step; group i trains students[i::G] (trained_accuracies)"""
     return [(k, j) for k in range(cfg.num_datasets) for j in range(cfg.students)]
+
+
+def my_students(cfg: Config, run) -> list[tuple[int, int]]:
+    """the (k, j) this rank's student group trains"""
+    return students(cfg)[run.mesh.get_local_rank("group")::run.mesh["group"].size()]
 
 
 def promote(cfg: Config, run, chosen, snaps, meter: rloo.Meter) -> dict:

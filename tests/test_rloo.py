@@ -136,6 +136,11 @@ def test_generate(runs):
     assert one["gen"] == r0["gen"] == r1["gen"]
     assert one["gen_prompt_ids"] == r0["gen_prompt_ids"] == r1["gen_prompt_ids"]
     assert one["local_gen"] == r0["local_gen"] == r1["local_gen"] == one["gen"][:2]
+    # no two samples of one call share a seed: a prompt repeated 4 times with n = 8 gives 32
+    # different completions of 12 tokens (a random tiny model: a repeat by chance is ~impossible;
+    # with seed + i per request, 21 of the 32 were copies of another request's)
+    for r in [one, r0, r1]:
+        assert len(r["repeated"]) == 32 and len(set(map(tuple, r["repeated"]))) == 32
     # greedy: n copies of one deterministic completion, same everywhere
     assert all(len(o) == 2 and o[0] == o[1] and len(o[0]) == 8 for o in one["greedy"])
     assert one["greedy"] == r0["greedy"] == r1["greedy"]
