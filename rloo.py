@@ -44,6 +44,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 # safetensors comes with transformers: the adapter files PEFT and vLLM read
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import Cache, DynamicLayer
@@ -65,6 +66,16 @@ LOGIT_CHUNK_TOKENS = 2048   # token_logprobs runs the vocabulary head on this ma
 # at the paper's shape (prompts 128 of 1152 tokens) they cost 23% (docs/scale.md)
 SHARED_PROMPTS_BY_DEVICE = {"cpu": True, "cuda": False}
 MAX_NONFINITE = 3           # updates skipped in a row (non-finite loss or gradient) that stop a run
+# GPU memory per rank (memory_per_rank; METHOD.md "Scale layout", docs/scale.md)
+GIB = 2 ** 30
+TRAINED_BYTES = 16          # a fully fine-tuned parameter: fp32 weight, gradient, AdamW's 2 moments
+# activations and transient buffers of one 16384-token micro-batch, checkpointed, on Llama-3.2-3B
+# (width 3072 x 28 layers): an H200 step's peak (107.8 GiB) less what rests between steps (95.9);
+# other micro-batches and shapes scaled by tokens x width x depth (an estimate)
+ACTIVATION_GIB = 12.0
+ACTIVATION_REF = (16384, 3072 * 28)   # the tokens and width x depth it was measured at
+# without checkpointing: (98.6 - 53.8) / (72.3 - 53.8) GiB at 8192 tokens, the same H200
+NO_CHECKPOINT_FACTOR = 2.4
 # LoRA (METHOD.md "LoRA")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM takes
 LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")   # a PEFT adapter folder
@@ -504,6 +515,42 @@ def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: i
         policy.ref = _load_sharded(path, mesh, False) if kl_coef > 0 else None
     reset_optimizer(policy, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps)
     return policy
+
+
+def parameter_counts(config, lora_rank: int = 0) -> tuple[int, int]:
+    """(parameters of the causal LM of HF `config`, parameters of one rank-`lora_rank` adapter on
+    every linear layer of its decoder), counted on the meta device: nothing is allocated"""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    n = sum(p.numel() for p in model.parameters())
+    linear = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    return n, sum(lora_rank * (m.in_features + m.out_features) for m in linear)
+
+
+def memory_per_rank(config, *, gpu_gib: float, engine_share: float, policy_ranks: list[int],
+                    lora_rank: int = 0, adapters: int = 0, kl: bool = True,
+                    micro_batch_tokens: int = 16384,
+                    activation_checkpointing: bool = True) -> dict[str, float]:
+    """GiB a rank holds on a GPU of gpu_gib (METHOD.md "Scale layout"): the engine's share (bf16
+    weights and KV cache), then the trainer's: full fine-tuning, each policy (fp32 weights,
+    gradients, AdamW) sharded over its policy_ranks and, with `kl`, its bf16 reference likewise;
+    LoRA (lora_rank), one whole bf16 base and `adapters` fp32 adapters with gradients and AdamW;
+    and one micro-batch's activations (ACTIVATION_GIB scaled). The one place this is computed:
+    soar.py's check before anything loads, bench_rloo.py --memory_table and docs/scale.md."""
+    n, a = parameter_counts(config, lora_rank)
+    est = {"engine": engine_share * gpu_gib}
+    if lora_rank:
+        est["base"] = 2 * n / GIB
+        est["adapters"] = adapters * TRAINED_BYTES * a / GIB
+    else:
+        est["policies"] = sum(TRAINED_BYTES * n / r for r in policy_ranks) / GIB
+        est["references"] = sum(2 * n / r for r in policy_ranks) / GIB if kl else 0.0
+    tokens, width_depth = ACTIVATION_REF
+    est["activations"] = (ACTIVATION_GIB * micro_batch_tokens / tokens
+                          * config.hidden_size * config.num_hidden_layers / width_depth
+                          * (1 if activation_checkpointing else NO_CHECKPOINT_FACTOR))
+    est["total"] = sum(est.values())
+    return est
 
 
 # -----------------------------------------------------------------------------
@@ -965,11 +1012,36 @@ def sync_weights(policy: Policy, llm) -> None:
 
 
 def serve_hf(llm, path: str) -> None:
-    """The full weights of the HF folder `path` into this rank's engine, read by vLLM's own loader
-    (no trainer, no optimizer: an inference row of eval.py); requests are served by them from then
-    on. The folder must hold the engine's architecture (a fine-tune of the model it was built
-    from). vLLM's reload also drops every adapter it holds: serve_adapter loads them again."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    """The full weights of the HF folder `path` (or hub name) into this rank's engine, streamed
+    from its safetensors files one tensor at a time (no trainer, no optimizer: an inference row of
+    eval.py); requests are served by them from then on. The folder must hold the engine's
+    architecture (a fine-tune of the model it was built from). A tied head is sent as the
+    embedding: vLLM's reload_weights(weights_path=...) skips it and keeps the old head's logits
+    (5.3 nats off in our tests). vLLM's reload also drops every adapter it holds: serve_adapter
+    loads them again."""
+    if not os.path.isdir(path):   # a hub name: its files, downloaded once (as vLLM does)
+        from huggingface_hub import snapshot_download   # (comes with transformers)
+        path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors weights to serve")
+    dtype = llm.llm_engine.model_config.dtype
+
+    def weights():
+        embedding = None
+        head = False
+        for file in files:
+            with safe_open(file, "pt") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name).to(dtype)
+                    head |= name == "lm_head.weight"
+                    if name == "model.embed_tokens.weight":
+                        embedding = t
+                    yield name, t
+        if not head and embedding is not None:
+            yield "lm_head.weight", embedding
+
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
     llm.reset_prefix_cache()
     llm.adapter = None
     llm.base_replaced = os.path.realpath(path) != os.path.realpath(llm.base_path)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
+from transformers import AutoConfig
 
 import data
 import launch
@@ -538,9 +539,55 @@ def student_groups(cfg: Config, world_size: int) -> int:
                                       and d <= cfg.num_datasets * cfg.students), default=1)
 
 
-def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
+def memory(cfg: Config, world_size: int, gpu_gib: float, config) -> dict[str, float]:
+    """GiB per rank of this layout on GPUs of gpu_gib (rloo.memory_per_rank): the teacher sharded
+    over all ranks, a student over its group's; with LoRA the teacher's adapter and a wave's"""
+    G = student_groups(cfg, world_size)
+    return rloo.memory_per_rank(config, gpu_gib=gpu_gib, engine_share=cfg.gpu_memory_utilization,
+                                policy_ranks=[world_size, world_size // G],
+                                lora_rank=cfg.lora_rank,
+                                adapters=1 + -(-cfg.num_datasets * cfg.students // G),
+                                kl=cfg.kl_coef > 0, micro_batch_tokens=cfg.micro_batch_tokens,
+                                activation_checkpointing=cfg.activation_checkpointing)
+
+
+def memory_problem(cfg: Config, world_size: int, gpu_gib: float, config,
+                   seq_len: int) -> str | None:
+    """If the layout does not fit GPUs of gpu_gib (memory): one line with its figures and the
+    changes of one flag each that would make it fit (the first that fits of each flag)."""
+    need = memory(cfg, world_size, gpu_gib, config)
+    if need["total"] <= gpu_gib:
+        return None
+    G = student_groups(cfg, world_size)
+    weights = 2 * rloo.parameter_counts(config)[0] / rloo.GIB   # bf16, in the engine
+    others = need["total"] - need["engine"]
+    share = int((gpu_gib - others) / gpu_gib * 20) / 20   # down to a multiple of 0.05
+    candidates = {
+        "student_groups": [d for d in range(G - 1, 0, -1) if world_size % d == 0],
+        "lora_rank": [] if cfg.lora_rank else [32],
+        "micro_batch_tokens": [t for t in (cfg.micro_batch_tokens // 2 ** k for k in range(1, 5))
+                               if t >= seq_len],
+        # the engine needs its bf16 weights and as much again for its KV cache, at least
+        "gpu_memory_utilization": [share] if share * gpu_gib > 2 * weights else []}
+    fixes = []
+    for name, values in candidates.items():
+        for v in values:
+            if memory(dataclasses.replace(cfg, **{name: v}), world_size, gpu_gib,
+                      config)["total"] <= gpu_gib:
+                fixes.append(f"--{name} {v}")
+                break
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in need.items() if k != "total")
+    return (f"the layout needs ~{need['total']:.0f} GiB per rank of a {gpu_gib:.0f} GiB GPU "
+            f"({parts}; rloo.memory_per_rank): "
+            + ("it fits with " + " or ".join(fixes) if fixes else
+               "no one flag makes it fit: more GPUs, or a smaller model"))
+
+
+def check(cfg: Config, world_size: int, n_hard: int, seq_len: int,
+          gpu_gib: float | None = None) -> list[str]:
     """What in the settings cannot work, each naming its flag (layout: METHOD.md "Scale layout");
-    the least value of each count is its field's (launch.flag)."""
+    the least value of each count is its field's (launch.flag). On GPUs of gpu_gib, also a layout
+    that does not fit (memory_problem)."""
     students = cfg.num_datasets * cfg.students
     G = student_groups(cfg, world_size)
     checks = [
@@ -560,7 +607,12 @@ def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
                                            "than one sequence (prompt + completion: "
                                            f"up to {seq_len} tokens)"),
     ]
-    return launch.too_small(cfg) + [msg for bad, msg in checks if bad]
+    problems = launch.too_small(cfg) + [msg for bad, msg in checks if bad]
+    if gpu_gib and not problems:
+        config = AutoConfig.from_pretrained(cfg.model)
+        problems += [msg for msg in [memory_problem(cfg, world_size, gpu_gib, config, seq_len)]
+                     if msg]
+    return problems
 
 
 def setup(cfg: Config) -> Run | None:
@@ -591,7 +643,10 @@ def open_folder(cfg: Config, tok, world_size: int) -> tuple[list[dict], int]:
     hard = launch.problems(cfg.train)   # one list: rank 0 drops what times out
     seq_len = data.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
                               cfg.teacher_max_tokens)
-    problems = check(cfg, world_size, len(hard), seq_len)
+    gpu = torch.cuda.is_available()
+    gpu_gib = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+               / rloo.GIB if gpu else None)
+    problems = check(cfg, world_size, len(hard), seq_len, gpu_gib)
     if problems:
         if made and rloo.rank0():
             shutil.rmtree(cfg.out)
