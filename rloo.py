@@ -33,6 +33,7 @@ import warnings
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
 # -----------------------------------------------------------------------------
+# processes: the process groups' timeout. It must outlast the longest stretch a rank waits in one
+# collective: at a world-wide one, for the slowest student group's S = 10-20 inner steps of its
+# students one after another (paper scale: minutes a step; torch's default, 10 minutes, kills the
+# job). A rank that really hangs still ends the job after it, the collective named (launch.main).
+COLLECTIVE_TIMEOUT_MIN = 180.0
 # engine (vLLM) settings
 CPU_KVCACHE_GIB = "1"       # on CPU the KV cache size comes from VLLM_CPU_KVCACHE_SPACE (GiB)
 CPU_MEM_UTIL = 0.2          # CPU gpu_memory_utilization (of RAM; the default, 0.92, fails to start)
@@ -100,9 +106,10 @@ def _die_with_launcher() -> None:
             os._exit(1)
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
+def init_distributed(timeout_min: float = COLLECTIVE_TIMEOUT_MIN) -> tuple[int, int, torch.device]:
     """rank, world size, device. A plain `python script.py` becomes a 1-rank group, so the
-    same code path (external_launcher engine, FSDP2) runs with and without torchrun."""
+    same code path (external_launcher engine, FSDP2) runs with and without torchrun. Collectives
+    time out after timeout_min minutes (COLLECTIVE_TIMEOUT_MIN)."""
     cuda = torch.cuda.is_available()
     if "TORCHELASTIC_RUN_ID" in os.environ:   # under torchrun
         _die_with_launcher()
@@ -113,7 +120,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
         if cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         device_id = torch.device("cuda", torch.cuda.current_device()) if cuda else None
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device_id)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device_id,
+                                timeout=timedelta(minutes=timeout_min))
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), dev
 

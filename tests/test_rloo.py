@@ -232,6 +232,34 @@ rloo.shutdown()
 """
 
 
+HANG = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import torch, torch.distributed as dist
+import launch, rloo
+def main():
+    rloo.init_distributed(timeout_min=0.05)   # 3 s
+    if dist.get_rank() == 1:
+        time.sleep(10)   # a rank that hangs (past the timeout)
+    dist.all_reduce(torch.zeros(1))
+launch.main("hang.py", main)
+"""
+
+
+def test_a_hung_rank_ends_the_job_naming_the_collective(tmp_path):
+    """rloo.init_distributed's timeout applies to the collectives; the rank that waited prints
+    which collective timed out and why (launch.main), and the job ends long before the hang does"""
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        str(script), ROOT], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "in main\n[rank 0]     dist.all_reduce(" in p.stderr, p.stderr[-3000:]
+    assert "[rank 0] hang.py: a collective (named above) waited longer than " \
+           "rloo.COLLECTIVE_TIMEOUT_MIN" in p.stderr, p.stderr[-3000:]
+    assert rloo.COLLECTIVE_TIMEOUT_MIN >= 60   # not torch's default 10 minutes
+
+
 def test_rloo_stands_alone(tmp_path):
     """rloo.py copied alone into an empty folder: it imports there and runs a generation and an RL
     step on a tiny model, with a prompt and a reward of the caller's"""
