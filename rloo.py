@@ -60,6 +60,10 @@ COLLECTIVE_TIMEOUT_MIN = 180.0
 # engine (vLLM) settings
 CPU_KVCACHE_GIB = "1"       # on CPU the KV cache size comes from VLLM_CPU_KVCACHE_SPACE (GiB)
 CPU_MEM_UTIL = 0.2          # CPU gpu_memory_utilization (of RAM; the default, 0.92, fails to start)
+# GPU: vLLM's default prefill batch on large GPUs; the activations it profiles for it come off the
+# KV cache, so step_engine_args asks for no more than a student step's prompts (at least MIN)
+GPU_MAX_BATCHED_TOKENS = 16384
+GPU_MIN_BATCHED_TOKENS = 2048
 # optimizer settings (METHOD.md "Hyperparameters" gives AdamW, lr and schedule; the rest is ours)
 ADAM_BETAS = (0.9, 0.999)
 WEIGHT_DECAY = 0.0          # unspecified by the paper; no decay, as usual for RL fine-tuning
@@ -298,6 +302,23 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
                                        dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     _ENGINES.append(llm)
     return llm
+
+
+def step_engine_args(seqs: int, prompt_tokens: int) -> dict:
+    """(GPU) build_engine's scheduler settings for one student step of `seqs` sequences on this
+    rank, each with up to prompt_tokens of prompt: that many sequences at once (max_num_seqs;
+    vLLM's default, 1024, profiles and captures for more) and a prefill batch no larger than their
+    prompts (max_num_batched_tokens). On CPU, {}: build_engine sets its own."""
+    if not torch.cuda.is_available():
+        return {}
+    seqs = max(1, seqs)
+    tokens = min(GPU_MAX_BATCHED_TOKENS, max(GPU_MIN_BATCHED_TOKENS, seqs * prompt_tokens))
+    return dict(max_num_seqs=seqs, max_num_batched_tokens=max(tokens, seqs))
+
+
+def kv_capacity(llm) -> int:
+    """tokens this rank's engine holds in its KV cache (what vLLM profiled at start)"""
+    return llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens or 0
 
 
 def shutdown() -> None:

@@ -663,9 +663,13 @@ def load_models(cfg: Config, device, world_size: int, tok, seq_len: int, hard: l
     teacher_mesh = init_device_mesh(device.type, (world_size,))
     # with LoRA a group trains all its students at once (the most students a group has)
     wave = max(1, -(-cfg.num_datasets * cfg.students // G)) if cfg.lora_rank else 1
+    seqs = step_sequences(cfg, world_size, G, wave)
     llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len, verbose=cfg.verbose,
                             gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            lora_rank=cfg.lora_rank, max_loras=wave + 1)   # + the teacher
+                            lora_rank=cfg.lora_rank, max_loras=wave + 1,   # + the teacher
+                            **rloo.step_engine_args(seqs, seq_len - cfg.student_max_tokens))
+    if device.type == "cuda":   # (on CPU, a fixed rloo.CPU_KVCACHE_GIB)
+        rloo.print0(kv_line(rloo.kv_capacity(llm), seqs, seq_len))
     lora = dict(lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, prompts=cfg.prompt_pass,
                 activation_checkpointing=cfg.activation_checkpointing, kl_coef=cfg.kl_coef)
     teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr,
@@ -688,6 +692,25 @@ def load_models(cfg: Config, device, world_size: int, tok, seq_len: int, hard: l
              state["step"])
     return Run(mesh, tok, llm, teacher, student, [student] + others, rloo.snapshot(student), hard,
                state, n_params, wb)
+
+
+def step_sequences(cfg: Config, world_size: int, G: int, wave: int) -> int:
+    """the sequences one inner step puts on a rank's engine: its group's wave of students, each
+    student_questions x student_samples rollouts, split over the group's ranks"""
+    return -(-wave * cfg.student_questions * cfg.student_samples // (world_size // G))
+
+
+def kv_line(capacity: int, seqs: int, seq_len: int) -> str:
+    """the engine's KV cache beside what one inner step needs on a rank, a warning if it is short
+    (vLLM then preempts rollouts and computes them again)"""
+    need = seqs * seq_len
+    line = (f"engine: KV cache {capacity} tokens per rank; an inner step needs up to {need} "
+            f"({seqs} rollouts x {seq_len} tokens)")
+    if capacity < need:
+        line += (f"; warning: {need / max(capacity, 1):.1f}x the cache, so rollouts will be "
+                 "preempted and recomputed: raise --gpu_memory_utilization, or spread a student "
+                 "over more ranks (fewer --student_groups)")
+    return line
 
 
 def announce(cfg: Config, world_size: int, G: int, n_params: int, n_trained: int,

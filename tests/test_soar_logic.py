@@ -6,6 +6,7 @@ import pytest
 
 import launch
 import data
+import rloo
 import soar
 import world
 from soar import (Config, decide, inner_steps, learnability, moving_average, promotion,
@@ -126,6 +127,26 @@ def test_a_layout_that_cannot_fit_is_named_before_anything_loads(tmp_path):
     assert line.endswith("--student_groups 2 or --micro_batch_tokens 32768")
     [line] = check("llama3b", 32, 79.0, gpu_memory_utilization=0.5)
     assert "~80 GiB" in line and line.endswith("or --gpu_memory_utilization 0.45")
+
+
+def test_the_engine_is_sized_for_an_inner_step(monkeypatch):
+    """rloo.step_engine_args (GPU only) and soar.kv_line: the paper's layout, 16 groups of 2 ranks,
+    one student each, puts 128 rollouts of up to 1152 tokens on a rank: 147456 tokens, more than
+    the ~120k an H100's 30% holds (a warning naming the flag), less than an H200's"""
+    cfg = Config()
+    seqs = soar.step_sequences(cfg, 32, 16, 1)
+    assert seqs == 8 * 32 // 2 == 128
+    assert soar.step_sequences(Config(lora_rank=32), 8, 8, 2) == 2 * 8 * 32   # a LoRA wave of 2
+    assert rloo.step_engine_args(seqs, 128) == {}   # CPU: build_engine's own settings
+    monkeypatch.setattr(rloo.torch.cuda, "is_available", lambda: True)
+    assert rloo.step_engine_args(seqs, 128) == dict(max_num_seqs=128, max_num_batched_tokens=16384)
+    assert rloo.step_engine_args(4, 100) == dict(max_num_seqs=4, max_num_batched_tokens=2048)
+    assert rloo.step_engine_args(256, 128)["max_num_batched_tokens"] == 16384   # vLLM's default
+    short = soar.kv_line(120_000, seqs, 1152)
+    assert short.startswith("engine: KV cache 120000 tokens per rank; an inner step needs up to "
+                            "147456 (128 rollouts x 1152 tokens); warning: 1.2x the cache")
+    assert "--gpu_memory_utilization" in short and "--student_groups" in short
+    assert "warning" not in soar.kv_line(300_000, seqs, 1152)
 
 
 def test_opensir_reward_ranks_calibrated_novel_questions_first():
