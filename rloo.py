@@ -59,6 +59,7 @@ from transformers.utils import logging as hf_logging
 COLLECTIVE_TIMEOUT_MIN = 180.0
 # engine (vLLM) settings
 CPU_KVCACHE_GIB = "1"       # on CPU the KV cache size comes from VLLM_CPU_KVCACHE_SPACE (GiB)
+SHM = "/dev/shm"            # where adapters are written for the engine, if room (adapter_root)
 CPU_MEM_UTIL = 0.2          # CPU gpu_memory_utilization (of RAM; the default, 0.92, fails to start)
 # GPU: vLLM's default prefill batch on large GPUs; the activations it profiles for it come off the
 # KV cache, so step_engine_args asks for no more than a student step's prompts (at least MIN)
@@ -267,10 +268,14 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
         logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
     # imported here, not at the top: the training half runs without vLLM (a GPU host without its
     # wheel: bench --train-only), and importing it takes seconds
-    from vllm import LLM
     cpu = not torch.cuda.is_available()
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+    else:   # its compile cache on this node's disk: the default (the home folder) is often on NFS,
+        # where ranks of several nodes writing it corrupt it (vllm#24601)
+        os.environ.setdefault("VLLM_CACHE_ROOT",
+                              os.path.join(tempfile.gettempdir(), f"vllm-cache-{os.getuid()}"))
+    from vllm import LLM
     rank = dist.get_rank() if dist.is_initialized() else 0
     if lora_rank:
         engine_args.update(enable_lora=True, max_loras=max_loras, max_cpu_loras=max_loras,
@@ -297,9 +302,12 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
     llm.base_path = model_path
     llm.base_replaced = False
     llm.adapter_ids = 0  # adapter ids used so far: each version gets a new one (sync_adapter)
-    # where this rank writes the adapters it serves (RAM-backed where there is /dev/shm)
-    llm.adapter_dir = tempfile.mkdtemp(prefix="rloo-adapters-",
-                                       dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    # where this rank writes the adapters it serves: each policy's version and the next one's
+    adapter_bytes = 0
+    if lora_rank:
+        adapter = parameter_counts(llm.llm_engine.model_config.hf_config, lora_rank)[1]
+        adapter_bytes = 2 * max_loras * adapter * llm.llm_engine.model_config.dtype.itemsize
+    llm.adapter_dir = tempfile.mkdtemp(prefix="rloo-adapters-", dir=adapter_root(adapter_bytes))
     _ENGINES.append(llm)
     return llm
 
@@ -319,6 +327,14 @@ def step_engine_args(seqs: int, prompt_tokens: int) -> dict:
 def kv_capacity(llm) -> int:
     """tokens this rank's engine holds in its KV cache (what vLLM profiled at start)"""
     return llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens or 0
+
+
+def adapter_root(need_bytes: int, shm: str = SHM) -> str | None:
+    """RAM-backed `shm` where it exists and has need_bytes free, else the temporary folder (None: a
+    container's /dev/shm is 64 MB by default, less than one rank-32 adapter of a 3B model)"""
+    if os.path.isdir(shm) and shutil.disk_usage(shm).free >= need_bytes:
+        return shm
+    return None
 
 
 def shutdown() -> None:
@@ -1080,12 +1096,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """a copy of t in host memory: pinned (page-locked) for a GPU tensor, so the copies there and
+    back (restore, broadcast_snapshot) run at full speed and not through pageable memory"""
+    if not t.is_cuda:
+        return t.to("cpu", copy=True)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)
+    return host
+
+
 @torch.no_grad()
 def snapshot(policy: Policy) -> dict[str, torch.Tensor]:
-    """clone of this rank's local shards (LoRA: of the adapter), on CPU (students restart from theta
-    in memory)"""
+    """clone of this rank's local shards (LoRA: of the adapter), in host memory (students restart
+    from theta in memory)"""
     reshard(policy.model)
-    return {n: _local(p).detach().to("cpu", copy=True) for n, p in trainable(policy).items()}
+    return {n: _host_copy(_local(p).detach()) for n, p in trainable(policy).items()}
 
 
 @torch.no_grad()

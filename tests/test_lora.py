@@ -139,15 +139,20 @@ def test_one_engine_call_holds_several_policies_only_as_adapters():
         rloo.adapters_of([a, full], [1, 1])
 
 
-def test_the_memory_table_counts_adapters_from_the_config():
-    """bench --memory_table on Llama-3.2-3B's shape, rank 32: an adapter is 48.6 M parameters
-    (issue #39's arithmetic), and PopuLoRA's 8 + 8 hold sixteen of them on every rank"""
+def bench():
+    """bench/bench_rloo.py as a module"""
     import importlib.util
     path = os.path.join(os.path.dirname(HERE), "bench", "bench_rloo.py")
     spec = importlib.util.spec_from_file_location("bench_rloo", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    text = bench.memory_table("llama3b", 32)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_memory_table_counts_adapters_from_the_config():
+    """bench --memory_table on Llama-3.2-3B's shape, rank 32: an adapter is 48.6 M parameters
+    (issue #39's arithmetic), and PopuLoRA's 8 + 8 hold sixteen of them on every rank"""
+    text = bench().memory_table("llama3b", 32)
     assert "an adapter 48.6 M" in text
     per_adapter = 16 * 48.6e6 / 2 ** 30   # fp32 weights, gradients and AdamW's two moments
     assert f"adapters {16 * per_adapter:.1f}" in text
@@ -185,3 +190,16 @@ def test_the_base_is_in_eval_mode_and_still_recomputes(tmp_path, checkpointing):
         grads[ckpt] = {k: p.grad for k, p in policy.adapter.items()}
     for k, g in grads[False].items():
         torch.testing.assert_close(grads[checkpointing][k], g)
+
+
+def test_adapters_go_to_shm_only_where_they_fit(tmp_path):
+    """rloo.adapter_root: the RAM-backed folder when it has room for the adapters, else the
+    temporary folder (a container's 64 MB /dev/shm holds no rank-32 3B adapter, 97 MB in bf16)"""
+    import shutil
+    from transformers import LlamaConfig
+    free = shutil.disk_usage(tmp_path).free
+    assert rloo.adapter_root(free // 2, shm=str(tmp_path)) == str(tmp_path)
+    assert rloo.adapter_root(free * 2, shm=str(tmp_path)) is None
+    assert rloo.adapter_root(1, shm=str(tmp_path / "none")) is None
+    _, a = rloo.parameter_counts(LlamaConfig(**bench().SHAPES["llama3b"]), 32)
+    assert 2 * a / 1e6 == pytest.approx(97.2, abs=0.1)   # MB in bf16
