@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import launch  # noqa: E402
@@ -371,6 +371,9 @@ def main():
             print(gen)
         for (kind, p), r in results.items():
             print(train_line(kind, p, r, batch, dev, world, n_params, peak_measured))
+        if dev.type == "cuda":
+            for kind in sorted({kind for kind, _ in results}):
+                print(estimate_line(kind, path, args, batch, world, ac, results))
         print_ratios(results, passes, dev)
         for kind, seconds in syncs.items():
             print(f"weight sync ({kind}): {seconds * 1000:.0f} ms = "
@@ -442,6 +445,22 @@ def time_generation(llm, prompts: list, samples: int, gen_len: int, dev) -> str:
     world = dist.get_world_size()
     return (f"generation: {len(prompts)} prompts x {samples} samples, {n} new tokens in "
             f"{seconds:.2f} s = {n / seconds:,.0f} tokens/s ({n / seconds / world:,.0f} per rank)")
+
+
+def estimate_line(kind: str, path: str, args, batch: Batch, world: int, ac: bool,
+                  results: dict) -> str:
+    """(GPU) rloo.memory_per_rank's estimate of this run's memory per rank (what soar.py's check
+    computes; the held engine share counts as the engine) beside the peaks measured"""
+    gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / rloo.GIB
+    est = rloo.memory_per_rank(AutoConfig.from_pretrained(path), gpu_gib=gpu_gib,
+                               engine_share=args.gpu_memory_utilization, policy_ranks=[world],
+                               lora_rank=args.lora_rank if kind == "lora" else 0, adapters=1,
+                               micro_batch_tokens=batch.micro_batch_tokens,
+                               activation_checkpointing=ac)
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in est.items() if k != "total")
+    peaks = ", ".join(f"{p} {r['peak_gib']:.1f}" for (k, p), r in results.items() if k == kind)
+    return (f"estimate ({kind}): {est['total']:.1f} GiB per rank ({parts}; "
+            f"rloo.memory_per_rank), measured peak {peaks} GiB")
 
 
 def train_line(kind: str, name: str, r: dict, batch: Batch, dev, world: int, n_params: int,
