@@ -266,15 +266,18 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated")
         # ... and its Triton check warns before vLLM's log level applies
         logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
-    # imported here, not at the top: the training half runs without vLLM (a GPU host without its
-    # wheel: bench --train-only), and importing it takes seconds
     cpu = not torch.cuda.is_available()
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+        # batches past 4096 prompt tokens chunk (see enable_chunked_prefill below); on GPUs,
+        # vLLM's default or the caller's (step_engine_args)
+        engine_args["max_num_batched_tokens"] = max(4096, max_model_len)
     else:   # its compile cache on this node's disk: the default (the home folder) is often on NFS,
         # where ranks of several nodes writing it corrupt it (vllm#24601)
         os.environ.setdefault("VLLM_CACHE_ROOT",
                               os.path.join(tempfile.gettempdir(), f"vllm-cache-{os.getuid()}"))
+    # imported here, not at the top: the training half runs without vLLM (a GPU host without its
+    # wheel: bench --train-only), and importing it takes seconds
     from vllm import LLM
     rank = dist.get_rank() if dist.is_initialized() else 0
     if lora_rank:
@@ -289,9 +292,8 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
               # CPU: skip the inductor compile (minutes-scale warmup on few cores, tiny models)
               enforce_eager=cpu, enable_prefix_caching=True,
               # CPU: a chunked prefill of a seeded request crashes vLLM 0.32's CPU runner
-              # ("CPU Generator does not use offset"); batches past 4096 prompt tokens chunk
+              # ("CPU Generator does not use offset")
               enable_chunked_prefill=not cpu,
-              max_num_batched_tokens=max(4096, max_model_len) if cpu else None,
               use_tqdm_on_load=verbose, **engine_args)   # "Loading safetensors checkpoint shards"
     # the rotary cos/sin cache is not in HF checkpoints, so every reload warns that it kept the
     # engine's own copy, which is right (set after LLM(): vLLM configures its loggers there)
