@@ -575,13 +575,10 @@ def test_leeps_finds_the_informative_questions(small_world, tmp_path):
 
 def test_rows_of_a_lora_run(tmp_path):
     """a LoRA SOAR run's PEFT folders served as adapters (ps: its student, grounded-t: questions of
-    its teacher) and a fresh student trained as an adapter (--lora_rank). Its students do not
-    learn (--student_lr 0): each scores R = 0 exactly, Acc0 being measured as their Acc is"""
+    its teacher) and a fresh student trained as an adapter (--lora_rank)"""
     from soar_runs import soar
-    p = soar(tmp_path / "soar", "--lora_rank", "8", "--outer_steps", "1", "--student_lr", "0")
+    p = soar(tmp_path / "soar", "--lora_rank", "8", "--outer_steps", "1")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    [metrics] = rows(tmp_path / "soar" / "metrics.jsonl")
-    assert metrics["R"] == [[0.0, 0.0], [0.0, 0.0]], metrics
     runs = tmp_path / "runs"
     p = eval_py("row", "ps", "hard-only", "grounded-t", "--lora_rank", "8", "--soar",
                 str(tmp_path / "soar"), "--runs", str(runs), *SMALL)
