@@ -1067,7 +1067,7 @@ def serve_hf(llm, path: str) -> None:
     (5.3 nats off in our tests). vLLM's reload also drops every adapter it holds: serve_adapter
     loads them again."""
     if not os.path.isdir(path):   # a hub name: its files, downloaded once (as vLLM does)
-        from huggingface_hub import snapshot_download   # (comes with transformers)
+        from transformers.utils.hub import snapshot_download   # (huggingface_hub's)
         path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
