@@ -413,22 +413,30 @@ def members(path: str) -> list[str]:
             if "." not in name]   # (not the versions, <name>.v<N>, the names link to)
 
 
-def serve(path: str, mesh, llm) -> None:
+def check_adapter_bases(paths: list[str], cfg: Config) -> None:
+    """Every PEFT adapter folder among `paths` (--soar's, --populora's, --intrinsic's, --opensir's)
+    must have been trained on --model: the engine serves adapters on --model's weights, and on other
+    weights one measures something else, silently."""
+    for path in paths:
+        base = rloo.adapter_base(path)
+        if base and os.path.realpath(base) != os.path.realpath(cfg.model):
+            raise launch.UsageError(f"{path} is an adapter of {base}, not of --model {cfg.model}")
+
+
+def serve(path: str, llm) -> None:
     """The model in `path` into the engines: a PEFT adapter folder (a LoRA run's teacher/ or
-    student/) as an adapter on the engine's base, else an HF folder as a sharded policy, only to
-    reach the engines through rloo.sync_weights (the one exact sync path; the engine is built once,
-    from --model)."""
+    student/) as an adapter on --model's weights (put back first if a full folder replaced them),
+    else an HF folder's full weights, read by the engine's own loader (no trainer is built)."""
     if rloo.adapter_rank(path):
         rloo.serve_adapter(llm, path)
     else:
-        policy = rloo.load_policy(path, mesh, lr=0.0, warmup_steps=0, total_steps=1, kl_coef=0.0)
-        rloo.sync_weights(policy, llm)
+        rloo.serve_hf(llm, path)
 
 
-def teacher_questions(path: str, cfg: Config, seed: int, llm, tok, mesh) -> list[dict]:
+def teacher_questions(path: str, cfg: Config, seed: int, llm, tok) -> list[dict]:
     """cfg.teacher_questions questions of the teacher in `path`, with SOAR's teacher prompt and
     format filter (METHOD.md "Evaluation protocol": same prompt and filter)."""
-    serve(path, mesh, llm)
+    serve(path, llm)
     seeds = [launch.seed_of(seed, "eval", "teacher", i) for i in range(TEACHER_ROUNDS)]
     kept, _ = rloo.sample_until(llm, data.teacher_prompt(tok), need=cfg.teacher_questions,
                                 parse=data.parse_teacher_batch, round_seeds=seeds,
@@ -440,13 +448,13 @@ def teacher_questions(path: str, cfg: Config, seed: int, llm, tok, mesh) -> list
 
 # ---- one run folder ----
 
-def inference_run(cfg: Config, seed: int, method: str, path: str, llm, mesh, test,
+def inference_run(cfg: Config, seed: int, method: str, path: str, llm, test,
                   out: str) -> dict:
     """base / ps / populora rows: pass@k of the model in `path` on the test split, sampling seed
     `seed`; of a population (members), each member's (in `members`) and their mean."""
     per_member = {}
     for model in members(path):
-        serve(model, mesh, llm)
+        serve(model, llm)
         per_member[os.path.basename(model)] = {
             k: v for k, v in eval_passk(llm, test, cfg, seed, "inference").items()
             if k.startswith("pass@")}
@@ -620,6 +628,9 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
     if soar and os.path.realpath(soar["model"]) != os.path.realpath(cfg.model):
         raise launch.UsageError(f"{cfg.soar} was run from {soar['model']}, "
                                 f"not from --model {cfg.model}")
+    served = [m for r in rows.values() for t in (r.model, r.teacher)
+              if t and "{model}" not in t for m in members(path_of(t, cfg))]
+    check_adapter_bases(served, cfg)
     if not (cfg.train and cfg.test):
         raise launch.UsageError("--train and --test are required with --model: "
                                 "the fail@128 train and test splits")
@@ -628,9 +639,7 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
     test = launch.problems(cfg.test)
     files = {r.file: launch.problems(path_of(r.file, cfg)) for r in rows.values() if r.file}
     mesh, tok, llm = setup(cfg, [hard, test, *files.values()],
-                           teacher=any(r.teacher for r in rows.values()),
-                           served=[m for r in rows.values() for t in (r.model, r.teacher)
-                                   if t and "{model}" not in t for m in members(path_of(t, cfg))])
+                           teacher=any(r.teacher for r in rows.values()), served=served)
     for method, row in rows.items():
         for seed in seeds(cfg):
             out = run_dir(cfg, method, seed)
@@ -639,10 +648,9 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
                 rloo.print0(f"{out}: finished already")
                 continue
             if row.model:
-                res = inference_run(cfg, seed, method, path_of(row.model, cfg), llm, mesh,
-                                    test, out)
+                res = inference_run(cfg, seed, method, path_of(row.model, cfg), llm, test, out)
             else:
-                synthetic = row_questions(cfg, row, seed, files, out, llm, tok, mesh)
+                synthetic = row_questions(cfg, row, seed, files, out, llm, tok)
                 if row.file and not synthetic:
                     rloo.print0(f"{method}: skipped, {path_of(row.file, cfg)} "
                                 "has no such questions yet")
@@ -654,15 +662,15 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
                      for m in methods for s in seeds(cfg) if done(cfg, m, s)])
 
 
-def row_questions(cfg: Config, row: Row, seed: int, files: dict, out: str, llm, tok,
-                  mesh) -> list[dict]:
+def row_questions(cfg: Config, row: Row, seed: int, files: dict, out: str, llm,
+                  tok) -> list[dict]:
     """The question set a fresh student of `row` adds to the hard train split, for seed `seed`."""
     synthetic = files.get(row.file, [])
     if row.teacher:  # teacher questions: sampled once per seed, kept in the run folder
         qpath = os.path.join(out, "questions.jsonl")
         synthetic = data.read_jsonl(qpath)
         if not synthetic:
-            synthetic = teacher_questions(path_of(row.teacher, cfg), cfg, seed, llm, tok, mesh)
+            synthetic = teacher_questions(path_of(row.teacher, cfg), cfg, seed, llm, tok)
             if rloo.rank0():
                 data.write_jsonl(qpath, synthetic)
     if row.keep:
@@ -692,8 +700,9 @@ def cmd_sample_teacher(cfg: Config, args: list[str]) -> None:
     path = args[0] if args else os.path.join(cfg.soar, "teacher")
     if not cfg.out:
         raise launch.UsageError("sample-teacher needs --out FILE")
-    mesh, tok, llm = setup(cfg, [], teacher=True, served=[path])
-    qs = teacher_questions(path, cfg, seeds(cfg)[0], llm, tok, mesh)
+    check_adapter_bases([path], cfg)
+    _, tok, llm = setup(cfg, [], teacher=True, served=[path])
+    qs = teacher_questions(path, cfg, seeds(cfg)[0], llm, tok)
     if rloo.rank0():
         data.write_jsonl(cfg.out, qs)
         print(f"wrote {len(qs)} questions of {path} to {cfg.out}")

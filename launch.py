@@ -61,6 +61,11 @@ def main(script: str, fn, *args) -> None:
             text = "".join(traceback.format_exception(e))
             print("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()),
                   end="", file=sys.stderr, flush=True)
+            if isinstance(e, RuntimeError) and "timed out" in str(e).lower():
+                print(f"[rank {rank}] {script}: a collective (named above) waited longer than "
+                      f"rloo.COLLECTIVE_TIMEOUT_MIN = {rloo.COLLECTIVE_TIMEOUT_MIN:g} minutes for "
+                      "another rank: one hung or died, or ranks work apart longer than that",
+                      file=sys.stderr, flush=True)
         code = 1
     finally:
         rloo.shutdown()

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
+from transformers import AutoConfig
 
 import data
 import launch
@@ -316,9 +317,13 @@ def sample_q_r(cfg: Config, run, step: int) -> list[dict]:
 def baseline_accuracy(cfg: Config, run, q_r: list[dict]) -> float:
     """Step 4: Acc0, the baseline student's greedy accuracy on Q_R, once per step and student group:
     on the group's own engines, as its trained students are measured (greedy bf16 decoding is not
-    batch-invariant: Acc0 from other engines or batches could differ by more than tau)."""
-    rloo.restore(run.student, run.theta)
-    return accuracies(cfg, run, q_r, [run.student])[0]
+    batch-invariant: Acc0 from other engines or batches could differ by more than tau). With LoRA
+    the group's first wave (trained_accuracies), all at theta, in one call as its students are
+    measured (same batch shape and order, METHOD.md "Algorithm 1"): Acc0 is the first's."""
+    policies = run.wave[:max(1, len(my_students(cfg, run)))]
+    for policy in policies:
+        rloo.restore(policy, run.theta)
+    return accuracies(cfg, run, q_r, policies)[0]
 
 
 def accuracies(cfg: Config, run, questions: list[dict], policies: list):
@@ -355,7 +360,7 @@ def train_students(cfg: Config, run, wave: list[tuple[int, int]], step: Step) ->
     for s in range(S):
         batches = [[step.datasets[k][order[(s * Q + i) % len(order)]] for i in range(Q)]
                    for (k, _), order in zip(wave, orders)]
-        k, j = wave[0]   # request i of the call is sampled with this seed + i (rloo.generate)
+        k, j = wave[0]   # request i of the call is sampled with this seed + i * n (rloo.generate)
         rloo.rl_steps(policies, run.llm, batches, prompt=data.student_prompt, reward=data.grade,
                       samples=cfg.student_samples, temperature=cfg.temperature,
                       max_tokens=cfg.student_max_tokens,
@@ -387,7 +392,7 @@ def trained_accuracies(cfg: Config, run, step: Step):
     keep = can_promote(cfg, run.state["history"])
     acc = {}
     snaps = {}
-    mine = students(cfg)[run.mesh.get_local_rank("group")::run.mesh["group"].size()]
+    mine = my_students(cfg, run)
     waves = [mine[i:i + len(run.wave)] for i in range(0, len(mine), len(run.wave))]
     for wave in waves:
         with run.meter.timed("student_training"):
@@ -406,6 +411,11 @@ def trained_accuracies(cfg: Config, run, step: Step):
 def students(cfg: Config) -> list[tuple[int, int]]:
     """the (k, j) of every student of a step; group i trains students[i::G] (trained_accuracies)"""
     return [(k, j) for k in range(cfg.num_datasets) for j in range(cfg.students)]
+
+
+def my_students(cfg: Config, run) -> list[tuple[int, int]]:
+    """the (k, j) this rank's student group trains"""
+    return students(cfg)[run.mesh.get_local_rank("group")::run.mesh["group"].size()]
 
 
 def promote(cfg: Config, run, chosen, snaps) -> dict:
@@ -552,9 +562,55 @@ def student_groups(cfg: Config, world_size: int) -> int:
                                       and d <= cfg.num_datasets * cfg.students), default=1)
 
 
-def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
+def memory(cfg: Config, world_size: int, gpu_gib: float, config) -> dict[str, float]:
+    """GiB per rank of this layout on GPUs of gpu_gib (rloo.memory_per_rank): the teacher sharded
+    over all ranks, a student over its group's; with LoRA the teacher's adapter and a wave's"""
+    G = student_groups(cfg, world_size)
+    return rloo.memory_per_rank(config, gpu_gib=gpu_gib, engine_share=cfg.gpu_memory_utilization,
+                                policy_ranks=[world_size, world_size // G],
+                                lora_rank=cfg.lora_rank,
+                                adapters=1 + -(-cfg.num_datasets * cfg.students // G),
+                                kl=cfg.kl_coef > 0, micro_batch_tokens=cfg.micro_batch_tokens,
+                                activation_checkpointing=cfg.activation_checkpointing)
+
+
+def memory_problem(cfg: Config, world_size: int, gpu_gib: float, config,
+                   seq_len: int) -> str | None:
+    """If the layout does not fit GPUs of gpu_gib (memory): one line with its figures and the
+    changes of one flag each that would make it fit (the first that fits of each flag)."""
+    need = memory(cfg, world_size, gpu_gib, config)
+    if need["total"] <= gpu_gib:
+        return None
+    G = student_groups(cfg, world_size)
+    weights = 2 * rloo.parameter_counts(config)[0] / rloo.GIB   # bf16, in the engine
+    others = need["total"] - need["engine"]
+    share = int((gpu_gib - others) / gpu_gib * 20) / 20   # down to a multiple of 0.05
+    candidates = {
+        "student_groups": [d for d in range(G - 1, 0, -1) if world_size % d == 0],
+        "lora_rank": [] if cfg.lora_rank else [32],
+        "micro_batch_tokens": [t for t in (cfg.micro_batch_tokens // 2 ** k for k in range(1, 5))
+                               if t >= seq_len],
+        # the engine needs its bf16 weights and as much again for its KV cache, at least
+        "gpu_memory_utilization": [share] if share * gpu_gib > 2 * weights else []}
+    fixes = []
+    for name, values in candidates.items():
+        for v in values:
+            if memory(dataclasses.replace(cfg, **{name: v}), world_size, gpu_gib,
+                      config)["total"] <= gpu_gib:
+                fixes.append(f"--{name} {v}")
+                break
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in need.items() if k != "total")
+    return (f"the layout needs ~{need['total']:.0f} GiB per rank of a {gpu_gib:.0f} GiB GPU "
+            f"({parts}; rloo.memory_per_rank): "
+            + ("it fits with " + " or ".join(fixes) if fixes else
+               "no one flag makes it fit: more GPUs, or a smaller model"))
+
+
+def check(cfg: Config, world_size: int, n_hard: int, seq_len: int,
+          gpu_gib: float | None = None) -> list[str]:
     """What in the settings cannot work, each naming its flag (layout: METHOD.md "Scale layout");
-    the least value of each count is its field's (launch.flag)."""
+    the least value of each count is its field's (launch.flag). On GPUs of gpu_gib, also a layout
+    that does not fit (memory_problem)."""
     students = cfg.num_datasets * cfg.students
     G = student_groups(cfg, world_size)
     checks = [
@@ -574,7 +630,12 @@ def check(cfg: Config, world_size: int, n_hard: int, seq_len: int) -> list[str]:
                                            "than one sequence (prompt + completion: "
                                            f"up to {seq_len} tokens)"),
     ]
-    return launch.too_small(cfg) + [msg for bad, msg in checks if bad]
+    problems = launch.too_small(cfg) + [msg for bad, msg in checks if bad]
+    if gpu_gib and not problems:
+        config = AutoConfig.from_pretrained(cfg.model)
+        problems += [msg for msg in [memory_problem(cfg, world_size, gpu_gib, config, seq_len)]
+                     if msg]
+    return problems
 
 
 def setup(cfg: Config) -> Run | None:
@@ -606,7 +667,10 @@ def open_folder(cfg: Config, tok, world_size: int) -> tuple[list[dict], int]:
     hard = launch.problems(cfg.train)   # one list: rank 0 drops what times out
     seq_len = data.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
                               cfg.teacher_max_tokens)
-    problems = check(cfg, world_size, len(hard), seq_len)
+    gpu = torch.cuda.is_available()
+    gpu_gib = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+               / rloo.GIB if gpu else None)
+    problems = check(cfg, world_size, len(hard), seq_len, gpu_gib)
     if problems:
         if made and rloo.rank0():
             shutil.rmtree(cfg.out)
@@ -623,9 +687,13 @@ def load_models(cfg: Config, device, world_size: int, tok, seq_len: int, hard: l
     teacher_mesh = init_device_mesh(device.type, (world_size,))
     # with LoRA a group trains all its students at once (the most students a group has)
     wave = max(1, -(-cfg.num_datasets * cfg.students // G)) if cfg.lora_rank else 1
+    seqs = step_sequences(cfg, world_size, G, wave)
     llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len, verbose=cfg.verbose,
                             gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            lora_rank=cfg.lora_rank, max_loras=wave + 1)   # + the teacher
+                            lora_rank=cfg.lora_rank, max_loras=wave + 1,   # + the teacher
+                            **rloo.step_engine_args(seqs, seq_len - cfg.student_max_tokens))
+    if device.type == "cuda":   # (on CPU, a fixed rloo.CPU_KVCACHE_GIB)
+        rloo.print0(kv_line(rloo.kv_capacity(llm), seqs, seq_len))
     lora = dict(lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, prompts=cfg.prompt_pass,
                 activation_checkpointing=cfg.activation_checkpointing, kl_coef=cfg.kl_coef)
     teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr,
@@ -648,6 +716,25 @@ def load_models(cfg: Config, device, world_size: int, tok, seq_len: int, hard: l
              state["step"])
     return Run(mesh, tok, llm, teacher, student, [student] + others, rloo.snapshot(student), hard,
                state, n_params, wb)
+
+
+def step_sequences(cfg: Config, world_size: int, G: int, wave: int) -> int:
+    """the sequences one inner step puts on a rank's engine: its group's wave of students, each
+    student_questions x student_samples rollouts, split over the group's ranks"""
+    return -(-wave * cfg.student_questions * cfg.student_samples // (world_size // G))
+
+
+def kv_line(capacity: int, seqs: int, seq_len: int) -> str:
+    """the engine's KV cache beside what one inner step needs on a rank, a warning if it is short
+    (vLLM then preempts rollouts and computes them again)"""
+    need = seqs * seq_len
+    line = (f"engine: KV cache {capacity} tokens per rank; an inner step needs up to {need} "
+            f"({seqs} rollouts x {seq_len} tokens)")
+    if capacity < need:
+        line += (f"; warning: {need / max(capacity, 1):.1f}x the cache, so rollouts will be "
+                 "preempted and recomputed: raise --gpu_memory_utilization, or spread a student "
+                 "over more ranks (fewer --student_groups)")
+    return line
 
 
 def announce(cfg: Config, world_size: int, G: int, n_params: int, n_trained: int,

@@ -15,8 +15,9 @@ model-FLOP utilisation. A random model of the chosen shape is written first (no 
     python bench/bench_rloo.py --lora_rank 8               # and LoRA beside full fine-tuning:
         # its train step, its adapter sync, and 4 adapters' rollouts in one engine call beside one
         # call per adapter (soar.py's LoRA students share a call)
-    python bench/bench_rloo.py --shape llama3b --memory_table --lora_rank 32
-        # GPU memory per rank of SOAR with LoRA at the paper's settings, from the config
+    python bench/bench_rloo.py --shape llama3b --memory_table [--lora_rank 32]
+        # GPU memory per rank of SOAR at the paper's settings (full fine-tuning, or LoRA), from
+        # the config: rloo.memory_per_rank, the arithmetic of soar.py's check before it loads
 
 Both forward paths of token_logprobs (shared prompts, one causal pass per row: rloo.prompt_pass)
 run in turn on the same batch unless --prompt_pass names one; bench/h200.sh runs the GPU checks.
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import launch  # noqa: E402
@@ -66,10 +67,6 @@ ADAPTERS = 4   # LoRA: adapters whose rollouts share one engine call (soar.py's 
 PAPER = dict(students=4 * 4, inner_steps=10, rollouts=256, tokens=128 + 1024, outer_steps=200)
 GPUS = {"H100": 79.0, "H200": 139.0}   # GiB a rank can use
 ENGINE_SHARE = 0.3     # soar.py --gpu_memory_utilization
-# activations and transient buffers of one 16384-token micro-batch, checkpointed: the 3B student's
-# step peak on an H200 (107.8 GiB) less what rests between steps (95.9: weights, gradients, AdamW,
-# reference, the engine's share; docs/scale.md); other shapes scaled by width x depth (an estimate)
-ACTIVATION_GIB = 12.0
 ASSUMED_MFU = 0.4      # for the training hours of --memory_table (docs/scale.md measured 40-48%)
 POPULATION = (8, 8)    # populora.py's largest reported population: teachers, students
 
@@ -105,54 +102,57 @@ def peak_mem_gib(dev):
 
 
 def memory_table(shape: str, rank: int) -> str:
-    """GPU memory per rank of SOAR with LoRA rank `rank` at the paper's settings (PAPER), from the
-    shape's config alone, for 1 to 32 GPUs: G = min(W, g*r) student groups, each rank training
-    ceil(g*r / G) student adapters at once beside the teacher's (soar.py, METHOD.md "LoRA")."""
+    """GPU memory per rank of SOAR at the paper's settings (PAPER), from the shape's config alone
+    (rloo.memory_per_rank, the arithmetic of soar.py's check), for 1 to 32 GPUs: G = the most
+    groups up to g*r (soar.student_groups), each rank training ceil(g*r / G) student adapters at
+    once beside the teacher's with LoRA rank `rank` (METHOD.md "LoRA"), else the teacher sharded
+    over all ranks and a student over its group's (rank 0: full fine-tuning)."""
     cfg = LlamaConfig(**{"tie_word_embeddings": True, **SHAPES[shape]})
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    n = sum(p.numel() for p in model.parameters())
-    linear = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    a = sum(rank * (m.in_features + m.out_features) for m in linear)   # one adapter's parameters
-    ref = SHAPES["llama3b"]
-    act = ACTIVATION_GIB * (cfg.hidden_size * cfg.num_hidden_layers
-                            / (ref["hidden_size"] * ref["num_hidden_layers"]))
-    gib = 2 ** 30
-    base = 2 * n / gib        # bf16, frozen: once in the trainer, once in the engine
-    per_adapter = 16 * a / gib   # fp32 weights, gradients, AdamW's two moments
-    lines = [f"SOAR with LoRA rank {rank} on {shape} ({n / 1e9:.2f} B parameters; an adapter "
-             f"{a / 1e6:.1f} M = {a / n:.1%}, {per_adapter:.2f} GiB with its gradient and AdamW), "
-             f"g*r = {PAPER['students']} students of {PAPER['rollouts']} rollouts x "
-             f"{PAPER['tokens']} tokens, {ENGINE_SHARE:.0%} of each GPU to vLLM; GiB per rank:",
-             f"| GPUs | groups | students per rank | engine (base {base:.1f} + KV) | trainer base "
-             "| adapters (teacher + students) | activations | total H100 / H200 | fits H100 / H200 "
+    n, a = rloo.parameter_counts(cfg, rank)
+    students = PAPER["students"]
+
+    def per_rank(W, G, adapters):
+        return {gpu: rloo.memory_per_rank(cfg, gpu_gib=mem, engine_share=ENGINE_SHARE,
+                                          policy_ranks=[W, W // G], lora_rank=rank,
+                                          adapters=adapters) for gpu, mem in GPUS.items()}
+    per_adapter = rloo.TRAINED_BYTES * a / rloo.GIB
+    what = (f"LoRA rank {rank} (an adapter {a / 1e6:.1f} M = {a / n:.1%}, {per_adapter:.2f} GiB "
+            "with its gradient and AdamW)" if rank else "full fine-tuning")
+    parts = [k for k in per_rank(1, 1, 1)["H100"] if k not in ("engine", "total")]
+    lines = [f"SOAR with {what} on {shape} ({n / 1e9:.2f} B parameters), g*r = {students} "
+             f"students of {PAPER['rollouts']} rollouts x {PAPER['tokens']} tokens, "
+             f"{ENGINE_SHARE:.0%} of each GPU to vLLM; GiB per rank (rloo.memory_per_rank):",
+             "| GPUs | groups | students per rank | engine (bf16 weights + KV) | "
+             + " | ".join(parts) + " | total H100 / H200 | fits H100 / H200 "
              "| training hours, 200 steps |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    flops = 6 * n * PAPER["students"] * PAPER["inner_steps"] * PAPER["rollouts"] * PAPER["tokens"]
+             "|---" * (len(parts) + 7) + "|"]
+    per_token = (4 if rank else 6) + 2   # the trained policy's forward + backward, the reference's
+    flops = per_token * n * students * PAPER["inner_steps"] * PAPER["rollouts"] * PAPER["tokens"]
     for W in (1, 2, 4, 8, 16, 32):
-        G = min(W, PAPER["students"])
-        s = -(-PAPER["students"] // G)
-        adapters = (1 + s) * per_adapter
-        totals = {gpu: ENGINE_SHARE * mem + base + adapters + act for gpu, mem in GPUS.items()}
-        fits = [("yes" if totals[gpu] <= mem else "no") for gpu, mem in GPUS.items()]
+        G = max(d for d in range(1, W + 1) if W % d == 0 and d <= students)
+        s = -(-students // G)
+        est = per_rank(W, G, 1 + s)
+        fits = [("yes" if est[gpu]["total"] <= mem else "no") for gpu, mem in GPUS.items()]
         hours = flops * PAPER["outer_steps"] / W / (ASSUMED_MFU * 989e12) / 3600
-        lines.append(f"| {W} | {G} | {s} | {ENGINE_SHARE:.0%} of the GPU | {base:.1f} | "
-                     f"{adapters:.1f} | {act:.0f} | {totals['H100']:.0f} / {totals['H200']:.0f} | "
+        lines.append(f"| {W} | {G} | {s} | {ENGINE_SHARE:.0%} of the GPU | "
+                     + " | ".join(f"{est['H100'][k]:.1f}" for k in parts)
+                     + f" | {est['H100']['total']:.0f} / {est['H200']['total']:.0f} | "
                      f"{' / '.join(fits)} | {hours:.0f} |")
-    lines.append(f"training hours: the students' 6N FLOP per token (4N LoRA + 2N KL reference) "
-                 f"over S = {PAPER['inner_steps']}, at {ASSUMED_MFU:.0%} MFU of 989 TFLOP/s; "
-                 "generation, evaluation and the teacher come on top. Activations: "
-                 f"{ACTIVATION_GIB:.0f} GiB measured on 3B (full fine-tuning), scaled by width "
-                 "x depth.")
-    teachers, students = POPULATION
-    total = {gpu: ENGINE_SHARE * mem + base + (teachers + students) * per_adapter + act
-             for gpu, mem in GPUS.items()}
-    lines.append(f"PopuLoRA {teachers}T-{students}S (populora.py: every rank holds every adapter): "
-                 f"engine {ENGINE_SHARE:.0%} of the GPU + base {base:.1f} + adapters "
-                 f"{(teachers + students) * per_adapter:.1f} + activations {act:.0f} = "
-                 f"{total['H100']:.0f} / {total['H200']:.0f} GiB per rank on H100 / H200, on any "
-                 "number of GPUs: ranks split the samples and replicate the adapters (the "
-                 "trainer's base, sharded, is counted whole: an upper bound).")
+    lines.append(f"training hours: the students' {per_token}N FLOP per token (the policy's "
+                 f"{per_token - 2}N, the KL reference's 2N) over S = {PAPER['inner_steps']}, at "
+                 f"{ASSUMED_MFU:.0%} MFU of 989 TFLOP/s; generation, evaluation and the teacher "
+                 f"come on top. Activations: {rloo.ACTIVATION_GIB:.0f} GiB measured on 3B (full "
+                 "fine-tuning, 16384-token micro-batches), scaled by width x depth.")
+    if rank:
+        teachers, students = POPULATION
+        est = per_rank(1, 1, teachers + students)
+        lines.append(f"PopuLoRA {teachers}T-{students}S (populora.py: every rank holds every "
+                     f"adapter): engine {ENGINE_SHARE:.0%} of the GPU + base "
+                     f"{est['H100']['base']:.1f} + adapters {est['H100']['adapters']:.1f} + "
+                     f"activations {est['H100']['activations']:.0f} = {est['H100']['total']:.0f} / "
+                     f"{est['H200']['total']:.0f} GiB per rank on H100 / H200, on any number of "
+                     "GPUs: ranks split the samples and replicate the adapters (the trainer's "
+                     "base, sharded, is counted whole: an upper bound).")
     return "\n".join(lines)
 
 
@@ -205,8 +205,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lora_rank", "--lora-rank", type=int, default=0,
                     help="also LoRA of this rank beside full fine-tuning, in the same run")
     ap.add_argument("--memory_table", "--memory-table", action="store_true",
-                    help="print the memory per rank of SOAR with LoRA at the paper's settings on "
-                    "--shape (from its config; nothing runs) and exit")
+                    help="print the memory per rank of SOAR at the paper's settings on --shape "
+                    "(full fine-tuning, or LoRA of --lora_rank; from its config, nothing runs) "
+                    "and exit")
     ap.add_argument("--workdir", default="/tmp/bench_rloo")
     return ap
 
@@ -318,7 +319,7 @@ def profile_report(pol, batch: Batch, dev) -> None:
 def main():
     args = parser().parse_args()
     if args.memory_table:
-        return print(memory_table(args.shape, args.lora_rank or 32))
+        return print(memory_table(args.shape, args.lora_rank))
     ac = DEFAULTS[args.shape][4] and not args.no_activation_checkpointing
     rank, world, dev = rloo.init_distributed()
     peak_measured = matmul_tflops(dev)
@@ -370,6 +371,9 @@ def main():
             print(gen)
         for (kind, p), r in results.items():
             print(train_line(kind, p, r, batch, dev, world, n_params, peak_measured))
+        if dev.type == "cuda":
+            for kind in sorted({kind for kind, _ in results}):
+                print(estimate_line(kind, path, args, batch, world, ac, results))
         print_ratios(results, passes, dev)
         for kind, seconds in syncs.items():
             print(f"weight sync ({kind}): {seconds * 1000:.0f} ms = "
@@ -441,6 +445,22 @@ def time_generation(llm, prompts: list, samples: int, gen_len: int, dev) -> str:
     world = dist.get_world_size()
     return (f"generation: {len(prompts)} prompts x {samples} samples, {n} new tokens in "
             f"{seconds:.2f} s = {n / seconds:,.0f} tokens/s ({n / seconds / world:,.0f} per rank)")
+
+
+def estimate_line(kind: str, path: str, args, batch: Batch, world: int, ac: bool,
+                  results: dict) -> str:
+    """(GPU) rloo.memory_per_rank's estimate of this run's memory per rank (what soar.py's check
+    computes; the held engine share counts as the engine) beside the peaks measured"""
+    gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / rloo.GIB
+    est = rloo.memory_per_rank(AutoConfig.from_pretrained(path), gpu_gib=gpu_gib,
+                               engine_share=args.gpu_memory_utilization, policy_ranks=[world],
+                               lora_rank=args.lora_rank if kind == "lora" else 0, adapters=1,
+                               micro_batch_tokens=batch.micro_batch_tokens,
+                               activation_checkpointing=ac)
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in est.items() if k != "total")
+    peaks = ", ".join(f"{p} {r['peak_gib']:.1f}" for (k, p), r in results.items() if k == kind)
+    return (f"estimate ({kind}): {est['total']:.1f} GiB per rank ({parts}; "
+            f"rloo.memory_per_rank), measured peak {peaks} GiB")
 
 
 def train_line(kind: str, name: str, r: dict, batch: Batch, dev, world: int, n_params: int,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The train step's GPU checks on one H200 (docs/scale.md "The train step on a GPU"), in one run of
 # about 7 minutes: token_logprobs' two paths at the paper's shape, larger micro-batches, the top
-# kernels and where the peak memory goes. The training half only: no vLLM needed.
+# kernels and where the peak memory goes, each peak beside rloo.memory_per_rank's estimate (the
+# arithmetic of soar.py's check before it loads). The training half only: no vLLM needed.
 #   bash bench/h200.sh [OUT]        # each check's log in OUT (default bench/out), a summary here
 #   SHAPE=tiny bash bench/h200.sh   # the same checks on the tiny shape (a CPU try of the script)
 set -uo pipefail
@@ -21,7 +22,7 @@ check() {   # check NAME SECONDS [bench flags]: one bench run, its log kept, its
   timeout "$seconds" python bench/bench_rloo.py --shape "$SHAPE" --train_only \
     --workdir /tmp/bench_rloo "$@" >"$OUT/$name.log" 2>&1
   echo "   (exit $?)"
-  grep -E "^(shape|train step|single /|memory:)" "$OUT/$name.log"
+  grep -E "^(shape|train step|estimate|single /|memory:)" "$OUT/$name.log"
 }
 
 check paths 240                                         # both paths, 16384-token micro-batches

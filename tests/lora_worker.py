@@ -60,7 +60,8 @@ def lockstep(llm, student, theta, base, mesh):
             stats = rloo.rl_steps([student, other], llm, batches, seed=20, **kw)
         else:
             stats = [rloo.rl_step(student, llm, batches[0], seed=20, **kw),
-                     rloo.rl_step(other, llm, batches[1], seed=20 + len(batches[0]), **kw)]
+                     rloo.rl_step(other, llm, batches[1],
+                                  seed=20 + len(batches[0]) * kw["samples"], **kw)]
         runs.append(([s["rewards"] for s in stats], [rloo.snapshot(student), rloo.snapshot(other)]))
     (rewards, snaps), (rewards_apart, snaps_apart) = runs
     diff = max((a[k] - b[k]).abs().max().item()
@@ -78,6 +79,29 @@ def stale_sync(policy, llm):
     rloo.write_adapter(policy, policy.served.lora_path, llm.llm_engine.model_config.dtype)
     llm.llm_engine.add_lora(policy.served)
     llm.adapter = policy.served
+
+
+def full_folder_then_adapter(llm, policy, folder, out, mesh):
+    """Another model's full HF folder served (eval.py's inference row of a full fine-tune), then
+    policy's PEFT folder on top; the same with the full weights and the adapter synced from trainers
+    (a LoRA fresh student after a full one). Each adapter must be served on its base, not on what
+    the engine held last."""
+    import torch.distributed as dist
+    import rloo
+    from rloo_dist_worker import make_tiny_model
+    other = os.path.join(out, "other")
+    if rloo.rank0():
+        make_tiny_model(other, seed=5)
+    dist.barrier()
+    full = rloo.load_policy(other, mesh, lr=0.0, warmup_steps=0, total_steps=1, kl_coef=0.0)
+    rloo.serve_hf(llm, other)
+    res = {"full_served": engine_vs_trainer(llm, [(full, None)], seed=13)}
+    res["after_full_served"] = engine_vs_trainer(llm, [(policy, rloo.serve_adapter(llm, folder))],
+                                                 seed=14)
+    rloo.sync_weights(full, llm)
+    rloo.sync_weights(policy, llm)
+    res["after_full_synced"] = engine_vs_trainer(llm, [(policy, policy.served)], seed=15)
+    return res
 
 
 def main(out, base, mode="exact"):
@@ -158,6 +182,8 @@ def main(out, base, mode="exact"):
     rloo.set_adapter(resumed.model, resumed)
     with torch.no_grad():
         res["saved_logprobs"] = rloo.token_logprobs(resumed.model, prompts, comps)[0]
+    if mode != "stale":
+        res.update(full_folder_then_adapter(llm, resumed, folder, out, mesh))
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()   # no destroy_process_group: vLLM's exit handler still uses the groups
 

@@ -140,6 +140,9 @@ def main(out, base, ref):
                      rloo.generate(llm, PROMPTS, n=2, temperature=0, max_tokens=8, seed=0, group=W)]
     res["local_gen"] = [[s.token_ids for s in o] for o in   # no group: this rank alone
                         rloo.generate(llm, PROMPTS[:2], n=3, max_tokens=12, seed=11)]
+    # one prompt 4 times, n = 8 each: 32 samples that must be 32 independent draws
+    res["repeated"] = [s.token_ids for o in rloo.generate(llm, [PROMPTS[0]] * 4, n=8, max_tokens=12,
+                                                          seed=3, group=W) for s in o]
 
     # more prompt tokens than one 4096-token prefill batch holds, seeded: vLLM's CPU runner crashes
     # on a chunked prefill of a seeded request unless build_engine turns chunking off

@@ -80,10 +80,11 @@ def test_count_correct_on_scripted_samples(monkeypatch):
 
     assert counts() == [2, 4, 0, 1]
     assert counts(chunk_prompts=3) == [2, 4, 0, 1]
-    assert calls[-2:] == [(3, 100, None), (1, 103, None)]  # request i keeps seed + i across chunks
+    # request i keeps seed + i * n across chunks
+    assert calls[-2:] == [(3, 100, None), (1, 100 + 3 * 4, None)]
     # LoRA: each problem's adapter goes with it into its chunk
     assert counts(chunk_prompts=3, adapters=["a", "a", "b", "b"]) == [2, 4, 0, 1]
-    assert calls[-2:] == [(3, 100, ["a", "a", "b"]), (1, 103, ["b"])]
+    assert calls[-2:] == [(3, 100, ["a", "a", "b"]), (1, 112, ["b"])]
 
 # ---- the early-stopping rule ----
 def test_early_stop_exponential_saturation():
@@ -361,6 +362,28 @@ def test_soar_output_of_another_base_model_is_refused(tmp_path):
                  "--soar", str(tmp_path / "soar"), "--runs", str(tmp_path / "runs")])
 
 
+@pytest.mark.parametrize("row, flag", [("populora", "--populora"), ("intrinsic-t", "--intrinsic"),
+                                       ("opensir-t", "--opensir"), ("ps", "--soar")])
+def test_an_adapter_of_another_base_model_is_refused(tmp_path, row, flag):
+    """every adapter folder a row reads names its base (adapter_config.json): another base than
+    --model is a usage error, before any engine (the engine would serve it on --model's weights)"""
+    model = tmp_path / "m"
+    model.mkdir()
+    folder = {"populora": "students/a0", "ps": "student"}.get(row, "teacher")
+    write(str(tmp_path / "run" / folder / "adapter_config.json"),
+          {"r": 8, "base_model_name_or_path": "/other/model"})
+    if row == "ps":   # a soar.py run's folder: its config names --model, its adapter does not
+        write(str(tmp_path / "run" / "ckpt" / "step-1" / "state.json"),
+              {"step": 1, "promotions": 0, "config": {"model": str(model)}})
+        write(str(tmp_path / "run" / folder / "soar.json"), {"step": 1, "promotions": 0})
+    with pytest.raises(launch.UsageError, match=r"adapter of /other/model, not of --model"):
+        ev.main(["row", row, "--model", str(model), "--train", "h", "--test", "t",
+                 flag, str(tmp_path / "run"), "--runs", str(tmp_path / "runs")])
+    write(str(tmp_path / "run" / folder / "adapter_config.json"),
+          {"r": 8, "base_model_name_or_path": str(model)})
+    ev.check_adapter_bases([str(tmp_path / "run" / folder)], ev.Config(model=str(model)))
+
+
 # ---- end to end: the real engine on the small world, torchrun with 2 ranks ----
 SMALL = ["--world", "small", "--seeds", "0", "--student_steps", "6", "--eval_every", "2",
          "--ckpt_every", "2", "--student_samples", "4", "--student_questions", "2",
@@ -437,6 +460,10 @@ def test_rows_end_to_end(rows_run, small_world):
         assert res["method"] == method and list(res["passk"]) == ["pass@1", "pass@4", "pass@8"]
         p = list(res["passk"].values())
         assert all(0 <= x <= 1 for x in p) and p == sorted(p)                # pass@k grows with k
+    # ps is a copy of the base model, served from its folder after the base's row (rloo.serve_hf):
+    # the same samples, the same pass@k
+    assert json.loads((runs / "ps" / "seed0" / "result.json").read_text())["passk"] == \
+        json.loads((runs / "base" / "seed0" / "result.json").read_text())["passk"]
     for method in ("hard-only", "pq", "base-t", "sept"):
         d = runs / method / "seed0"
         metrics, evals = rows(d / "metrics.jsonl"), rows(d / "evals.jsonl")

@@ -70,6 +70,16 @@ def test_students_in_one_call_equal_students_in_turn(runs):
         assert lockstep["moved"] and lockstep["max_diff"] < 1e-6, lockstep["max_diff"]
 
 
+def test_an_adapter_is_served_on_its_base_after_full_weights(runs):
+    """a full HF folder served straight into the engine is served exactly (eval.py's inference
+    rows); an adapter served or synced after full weights of another model gets its base back
+    (5.99 nats off before rloo.serve_adapter put the base back)"""
+    for res in [runs["one"], *runs["two"]]:
+        assert max(res["full_served"]) < EXACT, res["full_served"]
+        assert max(res["after_full_served"]) < EXACT, res["after_full_served"]
+        assert max(res["after_full_synced"]) < EXACT, res["after_full_synced"]
+
+
 def test_a_stale_adapter_is_caught(runs):
     """the same checks with new weights written under the old adapter id: the engine keeps serving
     what it loaded first, and the log-probs say so from the first update on"""
@@ -129,17 +139,67 @@ def test_one_engine_call_holds_several_policies_only_as_adapters():
         rloo.adapters_of([a, full], [1, 1])
 
 
-def test_the_memory_table_counts_adapters_from_the_config():
-    """bench --memory_table on Llama-3.2-3B's shape, rank 32: an adapter is 48.6 M parameters
-    (issue #39's arithmetic), and PopuLoRA's 8 + 8 hold sixteen of them on every rank"""
+def bench():
+    """bench/bench_rloo.py as a module"""
     import importlib.util
     path = os.path.join(os.path.dirname(HERE), "bench", "bench_rloo.py")
     spec = importlib.util.spec_from_file_location("bench_rloo", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    text = bench.memory_table("llama3b", 32)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_memory_table_counts_adapters_from_the_config():
+    """bench --memory_table on Llama-3.2-3B's shape, rank 32: an adapter is 48.6 M parameters
+    (issue #39's arithmetic), and PopuLoRA's 8 + 8 hold sixteen of them on every rank"""
+    text = bench().memory_table("llama3b", 32)
     assert "an adapter 48.6 M" in text
     per_adapter = 16 * 48.6e6 / 2 ** 30   # fp32 weights, gradients and AdamW's two moments
     assert f"adapters {16 * per_adapter:.1f}" in text
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 6   # the header, then 1 to 32 GPUs
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_base_is_in_eval_mode_and_still_recomputes(tmp_path, checkpointing):
+    """rloo._load_base on a config with attention dropout: without an adapter the base (the KL
+    reference) gives the same log-probs every time, and with activation checkpointing each decoder
+    layer still runs again in backward (HF recomputes only in a training layer), same gradients"""
+    path = str(tmp_path / "base")
+    make_tiny_model(path)
+    config = json.loads(open(os.path.join(path, "config.json")).read())
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**config, "attention_dropout": 0.5}, f)
+    prompts, comps, _ = fixed_batch()
+    grads = {}
+    for ckpt in (False, checkpointing):
+        model = rloo._load_base(path, torch.device("cpu"), ckpt)
+        with torch.no_grad():
+            ref = [rloo.token_logprobs(model, prompts, comps)[0] for _ in range(2)]
+        assert torch.equal(*ref)   # no dropout: the same reference twice
+        policy = SimpleNamespace(adapter=rloo.new_adapter(model, RANK, 0), lora_alpha=16.0)
+        with torch.no_grad():
+            B = policy.adapter["model.layers.0.mlp.up_proj.lora_B"]
+            B.normal_(generator=torch.Generator().manual_seed(0))   # B != 0: gradients to A too
+        rloo.set_adapter(model, policy)
+        calls = []
+        model.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
+        rloo.token_logprobs(model, prompts, comps)[0].sum().backward()
+        # shared prompts: two passes (prompts, completions), each run again in backward if ckpt
+        assert len(calls) == (4 if ckpt else 2)
+        grads[ckpt] = {k: p.grad for k, p in policy.adapter.items()}
+    for k, g in grads[False].items():
+        torch.testing.assert_close(grads[checkpointing][k], g)
+
+
+def test_adapters_go_to_shm_only_where_they_fit(tmp_path):
+    """rloo.adapter_root: the RAM-backed folder when it has room for the adapters, else the
+    temporary folder (a container's 64 MB /dev/shm holds no rank-32 3B adapter, 97 MB in bf16)"""
+    import shutil
+    from transformers import LlamaConfig
+    free = shutil.disk_usage(tmp_path).free
+    assert rloo.adapter_root(free // 2, shm=str(tmp_path)) == str(tmp_path)
+    assert rloo.adapter_root(free * 2, shm=str(tmp_path)) is None
+    assert rloo.adapter_root(1, shm=str(tmp_path / "none")) is None
+    _, a = rloo.parameter_counts(LlamaConfig(**bench().SHAPES["llama3b"]), 32)
+    assert 2 * a / 1e6 == pytest.approx(97.2, abs=0.1)   # MB in bf16

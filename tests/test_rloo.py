@@ -136,6 +136,11 @@ def test_generate(runs):
     assert one["gen"] == r0["gen"] == r1["gen"]
     assert one["gen_prompt_ids"] == r0["gen_prompt_ids"] == r1["gen_prompt_ids"]
     assert one["local_gen"] == r0["local_gen"] == r1["local_gen"] == one["gen"][:2]
+    # no two samples of one call share a seed: a prompt repeated 4 times with n = 8 gives 32
+    # different completions of 12 tokens (a random tiny model: a repeat by chance is ~impossible;
+    # with seed + i per request, 21 of the 32 were copies of another request's)
+    for r in [one, r0, r1]:
+        assert len(r["repeated"]) == 32 and len(set(map(tuple, r["repeated"]))) == 32
     # greedy: n copies of one deterministic completion, same everywhere
     assert all(len(o) == 2 and o[0] == o[1] and len(o[0]) == 8 for o in one["greedy"])
     assert one["greedy"] == r0["greedy"] == r1["greedy"]
@@ -225,6 +230,34 @@ print("STATS", stats["tokens"] > 0, len(stats["rewards"]) == 8, moved,
       meter.gathered()["tokens/generated/student_rollouts"] > 0)
 rloo.shutdown()
 """
+
+
+HANG = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import torch, torch.distributed as dist
+import launch, rloo
+def main():
+    rloo.init_distributed(timeout_min=0.05)   # 3 s
+    if dist.get_rank() == 1:
+        time.sleep(10)   # a rank that hangs (past the timeout)
+    dist.all_reduce(torch.zeros(1))
+launch.main("hang.py", main)
+"""
+
+
+def test_a_hung_rank_ends_the_job_naming_the_collective(tmp_path):
+    """rloo.init_distributed's timeout applies to the collectives; the rank that waited prints
+    which collective timed out and why (launch.main), and the job ends long before the hang does"""
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        str(script), ROOT], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "in main\n[rank 0]     dist.all_reduce(" in p.stderr, p.stderr[-3000:]
+    assert "[rank 0] hang.py: a collective (named above) waited longer than " \
+           "rloo.COLLECTIVE_TIMEOUT_MIN" in p.stderr, p.stderr[-3000:]
+    assert rloo.COLLECTIVE_TIMEOUT_MIN >= 60   # not torch's default 10 minutes
 
 
 def test_rloo_stands_alone(tmp_path):

@@ -101,9 +101,11 @@ def test_other_settings_refused(full_run):
         "'dataset_size': (4, 5)" in p.stdout + p.stderr
 
 
-def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_path):
+@pytest.mark.parametrize("flags", [(), ("--lora_rank", "8")], ids=["full", "lora"])
+def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_path, flags):
     """student lr 0: every trained student is the baseline, so R == 0 exactly (Acc0 is measured on
-    the same engines and batches as the students), on a Q_R the model solves, so any difference
+    the same engines and batches as the students: with LoRA, a group's students as adapters at
+    theta in one call), on a Q_R the model solves, so any difference
     shows: the small world's model is barely trained and gets few sums right, and which ones depends
     on the machine that built it, so Q_R is sums labelled with the model's own greedy answers (from
     an engine of this test's). Window 2: step 0 cannot promote, so no snapshot is kept; step 1
@@ -129,7 +131,7 @@ def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_
     easy.write_text("".join(json.dumps(p) + "\n" for p in solved[:16]))
     out = tmp_path / "lr0"
     p = soar(out, "--student_lr", "0", "--window", "2", "--tau", "0.4", "--outer_steps", "2",
-             "--train", str(easy))
+             "--train", str(easy), *flags)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     metrics = rows(out / "metrics.jsonl")
     assert all(m["acc0"] > 0 for m in metrics)

@@ -7,6 +7,7 @@ import pytest
 
 import launch
 import data
+import rloo
 import soar
 import world
 from soar import (Config, decide, inner_steps, learnability, moving_average, promotion,
@@ -91,6 +92,62 @@ def test_settings_that_cannot_work_are_named_by_flag():
         soar.check(Config(train="t", student_groups=32), 32, 359, 1)[0]
     assert soar.check(Config(train="t", students=0), 32, 359, 1) == \
         ["--students 0: need r >= 1 per dataset"]   # not "max() arg is an empty sequence"
+
+
+def test_a_layout_that_cannot_fit_is_named_before_anything_loads(tmp_path):
+    """soar.check on a GPU of a given size (a fake one: these are CPU tests), from the 3B and 7B
+    configs bench_rloo.py knows: the paper's 32 H200s fit, one node of 8 H100s does not and the
+    line names the figures and the flags that make it fit (rloo.memory_per_rank)"""
+    import importlib.util
+    import os
+    from transformers import LlamaConfig
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "bench_rloo.py")
+    spec = importlib.util.spec_from_file_location("bench_rloo", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for shape in ("llama3b", "qwen7b"):
+        LlamaConfig(**{"tie_word_embeddings": True, **bench.SHAPES[shape]}).save_pretrained(
+            tmp_path / shape)
+    def check(shape, W, gpu_gib, **flags):
+        cfg = Config(train="t", model=str(tmp_path / shape), **flags)
+        return soar.check(cfg, W, 359, 1200, gpu_gib=gpu_gib)
+    assert check("llama3b", 32, 139.0) == []   # docs/scale.md: ~82 of 139 GiB
+    assert check("llama3b", 8, 139.0) == []
+    [line] = check("llama3b", 8, 79.0)         # 8 groups of 1 rank: a whole student on each
+    assert line.startswith("the layout needs ~96 GiB per rank of a 79 GiB GPU (engine 23.7, "
+                           "policies 53.9, references 6.7, activations 12.0")
+    assert line.endswith("it fits with --student_groups 4 or --lora_rank 32")
+    assert check("llama3b", 8, 79.0, student_groups=4) == []
+    assert check("llama3b", 8, 79.0, lora_rank=32) == []
+    assert check("llama3b", 1, 79.0, lora_rank=32) == []   # LoRA: one H100 holds 16 students
+    [line] = check("qwen7b", 8, 139.0)
+    assert "~199 GiB" in line and line.endswith("--student_groups 4 or --lora_rank 32")
+    [line] = check("qwen7b", 32, 79.0, kl_coef=0.0)   # 16 groups of 2 do not, 8 groups of 4 do
+    assert "~98 GiB" in line and line.endswith("--student_groups 8 or --lora_rank 32")
+    [line] = check("llama3b", 32, 79.0, micro_batch_tokens=65536)   # 48 GiB of activations
+    assert line.endswith("--student_groups 2 or --micro_batch_tokens 32768")
+    [line] = check("llama3b", 32, 79.0, gpu_memory_utilization=0.5)
+    assert "~80 GiB" in line and line.endswith("or --gpu_memory_utilization 0.45")
+
+
+def test_the_engine_is_sized_for_an_inner_step(monkeypatch):
+    """rloo.step_engine_args (GPU only) and soar.kv_line: the paper's layout, 16 groups of 2 ranks,
+    one student each, puts 128 rollouts of up to 1152 tokens on a rank: 147456 tokens, more than
+    the ~120k an H100's 30% holds (a warning naming the flag), less than an H200's"""
+    cfg = Config()
+    seqs = soar.step_sequences(cfg, 32, 16, 1)
+    assert seqs == 8 * 32 // 2 == 128
+    assert soar.step_sequences(Config(lora_rank=32), 8, 8, 2) == 2 * 8 * 32   # a LoRA wave of 2
+    assert rloo.step_engine_args(seqs, 128) == {}   # CPU: build_engine's own settings
+    monkeypatch.setattr(rloo.torch.cuda, "is_available", lambda: True)
+    assert rloo.step_engine_args(seqs, 128) == dict(max_num_seqs=128, max_num_batched_tokens=16384)
+    assert rloo.step_engine_args(4, 100) == dict(max_num_seqs=4, max_num_batched_tokens=2048)
+    assert rloo.step_engine_args(256, 128)["max_num_batched_tokens"] == 16384   # vLLM's default
+    short = soar.kv_line(120_000, seqs, 1152)
+    assert short.startswith("engine: KV cache 120000 tokens per rank; an inner step needs up to "
+                            "147456 (128 rollouts x 1152 tokens); warning: 1.2x the cache")
+    assert "--gpu_memory_utilization" in short and "--student_groups" in short
+    assert "warning" not in soar.kv_line(300_000, seqs, 1152)
 
 
 def test_opensir_reward_ranks_calibrated_novel_questions_first():
