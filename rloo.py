@@ -314,31 +314,6 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
     return llm
 
 
-def step_engine_args(seqs: int, prompt_tokens: int) -> dict:
-    """(GPU) build_engine's scheduler settings for one student step of `seqs` sequences on this
-    rank, each with up to prompt_tokens of prompt: that many sequences at once (max_num_seqs;
-    vLLM's default, 1024, profiles and captures for more) and a prefill batch no larger than their
-    prompts (max_num_batched_tokens). On CPU, {}: build_engine sets its own."""
-    if not torch.cuda.is_available():
-        return {}
-    seqs = max(1, seqs)
-    tokens = min(GPU_MAX_BATCHED_TOKENS, max(GPU_MIN_BATCHED_TOKENS, seqs * prompt_tokens))
-    return dict(max_num_seqs=seqs, max_num_batched_tokens=max(tokens, seqs))
-
-
-def kv_capacity(llm) -> int:
-    """tokens this rank's engine holds in its KV cache (what vLLM profiled at start)"""
-    return llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens or 0
-
-
-def adapter_root(need_bytes: int, shm: str = SHM) -> str | None:
-    """RAM-backed `shm` where it exists and has need_bytes free, else the temporary folder (None: a
-    container's /dev/shm is 64 MB by default, less than one rank-32 adapter of a 3B model)"""
-    if os.path.isdir(shm) and shutil.disk_usage(shm).free >= need_bytes:
-        return shm
-    return None
-
-
 def shutdown() -> None:
     """Stop this process's engines, then its process group: the engines' shutdown tears down
     vLLM's groups, the default one too (left to the interpreter's exit, it fails)."""
@@ -438,7 +413,7 @@ def count_correct(llm, problems: list[dict], *, prompt, correct, n: int, max_tok
 
 
 # -----------------------------------------------------------------------------
-# training
+# a policy: the model being trained, its KL reference, optimizer and schedule
 
 @dataclass
 class Policy:
@@ -468,6 +443,357 @@ def trainable(policy: Policy) -> dict[str, torch.Tensor]:
         return policy.adapter
     return dict(policy.model.named_parameters())
 
+
+# -----------------------------------------------------------------------------
+# trainer -> engine weight sync
+
+def reshard(model) -> None:
+    """reshard every FSDP2 unit: after a forward with no backward (no_grad), the root stays
+    unsharded"""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def sync_weights(policy: Policy, llm) -> None:
+    """Stream the full weights into this rank's engine one tensor at a time (a generator, consumed
+    as we gather: no full copy ever exists). model.state_dict() has plain HF names in the same order
+    on every rank, and includes lm_head.weight even when tied: without it vLLM silently keeps stale
+    logits (1.3 nats off in our tests). model.load_weights fails on the CPU runner; reload_weights
+    works, and takes a generator as external_launcher runs the worker in this process. LoRA: the
+    adapter alone (sync_adapter)."""
+    if policy.adapter is not None:
+        return sync_adapter(policy, llm)
+    dtype = llm.llm_engine.model_config.dtype
+    reshard(policy.model)
+
+    def weights():
+        for name, p in policy.model.state_dict().items():
+            p = p.detach().to(dtype)   # cast before gathering: half the traffic to a bf16 engine
+            yield name, (p.full_tensor() if isinstance(p, DTensor) else p)
+
+    it = weights()
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": it})
+    for _ in it:   # drain (should be empty) so every rank runs the same all-gathers
+        pass
+    llm.reset_prefix_cache()
+    llm.adapter = None   # requests are served by these weights
+    llm.base_replaced = True
+
+
+def serve_hf(llm, path: str) -> None:
+    """The full weights of the HF folder `path` (or hub name) into this rank's engine, streamed
+    from its safetensors files one tensor at a time (no trainer, no optimizer: an inference row of
+    eval.py); requests are served by them from then on. The folder must hold the engine's
+    architecture (a fine-tune of the model it was built from). A tied head is sent as the
+    embedding: vLLM's reload_weights(weights_path=...) skips it and keeps the old head's logits
+    (5.3 nats off in our tests). vLLM's reload also drops every adapter it holds: serve_adapter
+    loads them again."""
+    if not os.path.isdir(path):   # a hub name: its files, downloaded once (as vLLM does)
+        from transformers.utils.hub import snapshot_download   # (huggingface_hub's)
+        path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors weights to serve")
+    dtype = llm.llm_engine.model_config.dtype
+
+    def weights():
+        embedding = None
+        head = False
+        for file in files:
+            with safe_open(file, "pt") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name).to(dtype)
+                    head |= name == "lm_head.weight"
+                    if name == "model.embed_tokens.weight":
+                        embedding = t
+                    yield name, t
+        if not head and embedding is not None:
+            yield "lm_head.weight", embedding
+
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+    llm.reset_prefix_cache()
+    llm.adapter = None
+    llm.base_replaced = os.path.realpath(path) != os.path.realpath(llm.base_path)
+
+
+# -----------------------------------------------------------------------------
+# log-probs of completions (METHOD.md "RLOO loss")
+
+def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
+                   temperature: float = 1.0, dev="cpu", shared: bool = True):
+    """log p(c_t | prompt, c_<t) of every completion token, [rows, longest completion], fp32, of
+    the logits / temperature (the distribution vLLM samples from at that temperature), and the
+    mask of real tokens (METHOD.md "RLOO loss"). `shared`: each distinct prompt runs once, its keys
+    and values shared by the rows that continue it; else one causal pass per row. The full [tokens,
+    vocab] logits never exist (3B, 16k tokens x 128k vocab: 8 GB in fp32, kept by autograd): the
+    head runs on chunks of positions, each recomputed in backward (checkpoint), its weight read
+    after the forward (lm_head returns its input): FSDP2 keeps the root's parameters gathered until
+    backward."""
+    if shared:
+        hidden, c_ids, c_attn = _hidden_shared(model, prompts, completions, dev)
+    else:
+        hidden, c_ids, c_attn = _hidden_single(model, prompts, completions, dev)
+    step = max(1, LOGIT_CHUNK_TOKENS // len(completions))
+    weight = model.lm_head.weight
+    return torch.cat([checkpoint(_head_logprobs, hidden[:, i:i + step], weight,
+                                 c_ids[:, i:i + step], temperature, use_reentrant=False)
+                      for i in range(0, hidden.shape[1], step)], 1), c_attn.float()
+
+
+def _head_logprobs(hidden, weight, targets, temperature):
+    logits = torch.nn.functional.linear(hidden, weight).float() / temperature
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+class _SharedPrompts(DynamicLayer):
+    """One layer's keys and values of the distinct prompts (token_logprobs). update never appends,
+    so an activation-checkpoint recompute sees what the forward saw: in the prompt pass it keeps
+    the new ones; built with each row's prompt's, it returns them joined to the new ones."""
+    def __init__(self, keys=None, values=None):
+        super().__init__()
+        self.keys = keys
+        self.values = values
+        self.is_initialized = keys is not None
+        self.read_only = keys is not None
+
+    def update(self, keys, values, *args, **kwargs):
+        if self.read_only:
+            return torch.cat([self.keys, keys], -2), torch.cat([self.values, values], -2)
+        self.keys = keys
+        self.values = values
+        self.is_initialized = True
+        return keys, values
+
+
+def _pad(rows: list[list[int]], dev):
+    """right-padded ids and their attention mask"""
+    ids = torch.zeros(len(rows), max(1, *map(len, rows)), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+        attn[b, :len(r)] = 1
+    return ids.to(dev), attn.to(dev)
+
+
+def _hidden_shared(model, prompts, completions, dev):
+    """the last hidden states that predict each completion token, [rows, longest completion, d]:
+    the distinct prompts in one pass, then the completions attending to their prompt's cache"""
+    distinct = {}
+    which = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts],
+                         device=dev)
+    p_ids, p_attn = _pad(list(distinct), dev)
+    c_ids, c_attn = _pad(completions, dev)
+    cache = Cache(layer_class_to_replicate=_SharedPrompts)
+    h_prompt = model(input_ids=p_ids, attention_mask=p_attn, past_key_values=cache,
+                     use_cache=False).logits   # (the cache is ours: passed in, not made)
+    cache = Cache(layers=[_SharedPrompts(c.keys[which], c.values[which]) for c in cache.layers])
+    P = p_attn.sum(1)[which]   # each row's prompt length: its completion's positions follow it
+    h = model(input_ids=c_ids, attention_mask=torch.cat([p_attn[which], c_attn], 1),
+              position_ids=P[:, None] + torch.arange(c_ids.shape[1], device=dev),
+              past_key_values=cache, use_cache=False).logits
+    hidden = torch.cat([h_prompt[which, P - 1, None], h[:, :-1]], 1)   # position t predicts c_t
+    return hidden, c_ids, c_attn
+
+
+def _hidden_single(model, prompts, completions, dev):
+    """the same as _hidden_shared, from one causal pass over each row's prompt + completion"""
+    ids, attn = _pad([p + c for p, c in zip(prompts, completions)], dev)
+    c_ids, c_attn = _pad(completions, dev)
+    h = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    P = torch.tensor([len(p) for p in prompts], device=dev)
+    # position P - 1 + t predicts c_t; past a row's end, any position (masked)
+    at = (P[:, None] - 1 + torch.arange(c_ids.shape[1], device=dev)).clamp(max=h.shape[1] - 1)
+    hidden = h.gather(1, at[..., None].expand(-1, -1, h.shape[-1]))
+    return hidden, c_ids, c_attn
+
+
+# -----------------------------------------------------------------------------
+# the loss and the training step (METHOD.md "RLOO loss"), one RL step
+
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """A_i = r_i - mean_{j != i} r_j over the last dim (METHOD.md "RLOO loss": raw, not normalised).
+    Teacher: rewards [g] (one per dataset); student: [questions, samples]."""
+    g = rewards.shape[-1]
+    assert g > 1, "RLOO needs at least 2 samples per group"
+    return rewards - (rewards.sum(-1, keepdim=True) - rewards) / (g - 1)
+
+
+def sept_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """SePT (METHOD.md "SePT"): advantage 1 for every sample whatever its reward, so rloo_loss
+    without KL is the NLL of the samples themselves."""
+    return torch.ones_like(rewards)
+
+
+def rloo_loss(logp, ref_logp, adv, mask, kl_coef: float):
+    """The loss of both the teacher and the students (METHOD.md "RLOO loss"), per completion token t
+    of rollout i (mask: 1 on the positions that predict a completion token):
+        pg = -A_i * exp(logp - sg(logp))          (value -A_i, gradient -A_i * dlogp)
+        kl = exp(ref - logp) - (ref - logp) - 1    (k3 estimator, >= 0; 0 without a reference)
+    Returns the masked sums of pg + kl_coef * kl (to backpropagate), of pg and of kl (detached)."""
+    pg = -adv * torch.exp(logp - logp.detach())
+    d = ref_logp - logp if ref_logp is not None else torch.zeros_like(logp)
+    kl = torch.exp(d) - d - 1
+    return (((pg + kl_coef * kl) * mask).sum(), (pg.detach() * mask).sum(),
+            (kl.detach() * mask).sum())
+
+
+def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """group row indices (longest first) so rows * max_len <= budget tokens per micro-batch"""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+               advantages: list[float], *, loss, temperature: float,
+               micro_batch_tokens: int = 16384, meter: Meter | None = None) -> dict:
+    """One update on this rank's rows of the batch (every rank of policy.mesh calls it with its
+    own): `loss` (rloo_loss) of the log-probs at `temperature` (the one sampled at: on-policy),
+    summed over the micro-batches, divided by the completion tokens of the GLOBAL batch and, as FSDP
+    averages gradients over ranks, times the mesh size."""
+    dev = policy.device
+    group = policy.mesh.get_group()
+    world = dist.get_world_size(group)
+    stats = torch.tensor([float(sum(len(c) for c in completion_ids)), 0.0, 0.0],
+                         dtype=torch.float64, device=dev)
+    dist.all_reduce(stats[:1], group=group)
+    n_tokens = stats[0].item()
+    scale = world / max(n_tokens, 1.0)
+    batches = _micro_batches([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
+                             micro_batch_tokens)
+    # pad with zero-weight dummies to the busiest rank's passes, or the FSDP collectives hang
+    n_mb = torch.tensor([len(batches)], device=dev)
+    dist.all_reduce(n_mb, op=dist.ReduceOp.MAX, group=group)
+    batches += [[]] * (int(n_mb.item()) - len(batches))
+    for rows in batches:   # a dummy ([]): one prompt token, an empty completion (mask 0)
+        batch = ([prompt_ids[i] for i in rows] or [[0]], [completion_ids[i] for i in rows] or [[]])
+        if policy.adapter is not None:
+            set_adapter(policy.model, policy)   # LoRA: this policy's adapter on the shared base
+        logp, mask = token_logprobs(policy.model, *batch, temperature, dev, policy.shared_prompts)
+        ref_logp = reference_logprobs(policy, *batch, temperature)
+        adv = torch.tensor([[advantages[i]] for i in rows] or [[0.0]], device=dev)
+        total, pg, kl = loss(logp, ref_logp, adv, mask, policy.kl_coef)
+        (total * scale * (1.0 if rows else 0.0)).backward()
+        stats[1] += pg
+        stats[2] += kl
+    dist.all_reduce(stats[1:], group=group)
+    if meter is not None:
+        meter.count("trained", sum(map(len, prompt_ids)) + sum(map(len, completion_ids)))
+    if policy.adapter is not None:
+        _average_gradients(list(policy.adapter.values()), group)
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable(policy).values(), policy.grad_clip)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    lr = policy.scheduler.get_last_lr()[0]
+    pg_loss = stats[1].item() / max(n_tokens, 1.0)
+    kl = stats[2].item() / max(n_tokens, 1.0)
+    finite = all(map(math.isfinite, (pg_loss, kl, grad_norm.item())))   # all-reduced: ranks agree
+    if finite:
+        policy.optimizer.step()
+        policy.scheduler.step()
+    policy.optimizer.zero_grad(set_to_none=True)
+    policy.nonfinite = 0 if finite else policy.nonfinite + 1
+    if not finite:
+        if meter is not None:
+            meter.count("skipped_updates")
+        msg = f"non-finite loss {pg_loss}, KL {kl} or gradient norm {grad_norm.item()}"
+        if policy.nonfinite >= MAX_NONFINITE:
+            raise RuntimeError(f"{msg} in {policy.nonfinite} updates in a row: stopping "
+                               "(see MAX_NONFINITE in rloo.py)")
+        print0(f"rloo.train_step: {msg}: update skipped", file=sys.stderr)
+    return dict(loss=pg_loss + policy.kl_coef * kl, pg_loss=pg_loss, kl=kl,
+                grad_norm=grad_norm.item(), lr=lr, tokens=n_tokens, skipped=not finite)
+
+
+@torch.no_grad()
+def reference_logprobs(policy: Policy, prompts, completions, temperature: float):
+    """token_logprobs of the KL reference (None without one): the frozen copy, or with LoRA the
+    base without an adapter (the policy's is put back: activation checkpointing recomputes the
+    policy's forward in backward)"""
+    args = (prompts, completions, temperature, policy.device, policy.shared_prompts)
+    if policy.ref is not None:
+        logp = token_logprobs(policy.ref, *args)[0]
+        reshard(policy.ref)   # else its root (embeddings, head) stays gathered (0.7 GiB)
+        return logp
+    if policy.adapter is None or policy.kl_coef == 0:
+        return None
+    set_adapter(policy.model, None)
+    try:
+        return token_logprobs(policy.model, *args)[0]
+    finally:
+        set_adapter(policy.model, policy)
+
+
+def rl_step(policy: Policy, llm, batch: list[tuple[str, str]], **kwargs) -> dict:
+    """One RL step of one policy on (question, answer) pairs (rl_steps)"""
+    return rl_steps([policy], llm, [batch], **kwargs)[0]
+
+
+def rl_steps(policies: list[Policy], llm, batches: list[list[tuple[str, str]]], *, prompt, reward,
+             samples: int, temperature: float, max_tokens: int, seed: int, group,
+             micro_batch_tokens: int, advantages, loss, train_temperature: float | None = None,
+             meter: Meter | None = None) -> list[dict]:
+    """One RL step of each policy on its batch of (question, answer) pairs (METHOD.md "Inner loop";
+    also eval.py's fresh students): sync, sample `samples` completions of prompt(question) per
+    question on the group's engines, all policies in one engine call (LoRA: each request served by
+    its policy's adapter), score them with reward(completions, answers) (split over the ranks),
+    `advantages` of each question's [samples] rewards (rloo_advantages: leave-one-out;
+    sept_advantages: all 1), then one `loss` update per policy at train_temperature (default: the
+    sampling one). Phases: sync, student_rollouts (sampling and scoring). Returns, per policy,
+    train_step's stats, the mean `reward`, `rewards` (flat, question by question) and
+    `nontrivial`: per question, did its rewards vary."""
+    meter = meter or Meter()
+    with meter.timed("sync"):
+        for policy in policies:
+            sync_weights(policy, llm)
+    with meter.timed("student_rollouts"):
+        pairs = [pair for batch in batches for pair in batch]
+        outs = generate(llm, [prompt(q) for q, _ in pairs], n=samples, temperature=temperature,
+                        max_tokens=max_tokens, seed=seed, group=group,
+                        adapters=adapters_of(policies, [len(b) for b in batches]), meter=meter)
+        flat = [(smp, a) for o, (_, a) in zip(outs, pairs) for smp in o]
+        rewards = split_map(lambda share: reward([s.text for s, _ in share], [a for _, a in share]),
+                            flat, group)
+    if train_temperature is None:
+        train_temperature = temperature
+    results = []
+    lo = 0
+    for policy, batch in zip(policies, batches):
+        hi = lo + len(batch) * samples
+        table = torch.tensor(rewards[lo:hi]).view(len(batch), samples)   # questions x samples
+        adv = advantages(table).flatten().tolist()
+        rows = my_share([(smp, a) for (smp, _), a in zip(flat[lo:hi], adv)], group)
+        stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows],
+                           [smp.token_ids for smp, _ in rows], [a for _, a in rows], loss=loss,
+                           temperature=train_temperature, micro_batch_tokens=micro_batch_tokens,
+                           meter=meter)
+        policy_rewards = rewards[lo:hi]
+        results.append({**stats, "reward": sum(policy_rewards) / len(policy_rewards),
+                        "rewards": policy_rewards,
+                        "nontrivial": (table.std(1) > 0).tolist()})
+        lo = hi
+    return results
+
+
+def adapters_of(policies: list[Policy], counts: list[int]) -> list | None:
+    """The adapter serving each request of a call that holds counts[b] requests of policies[b]
+    (after their syncs); None for one policy: the engine serves what was synced last. Several
+    policies in one call must be LoRA adapters: the engine holds one set of full weights."""
+    if len(policies) == 1:
+        return None
+    if any(p.adapter is None for p in policies):
+        raise ValueError("several policies in one engine call need LoRA adapters (lora_rank > 0)")
+    return [p.served for p, count in zip(policies, counts) for _ in range(count)]
+
+
+# -----------------------------------------------------------------------------
+# loading a policy
 
 def _load_hf(path: str, dtype, activation_checkpointing: bool):
     """the HF causal LM in `path`, its head returning its input (token_logprobs applies it)"""
@@ -564,6 +890,9 @@ def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: i
     return policy
 
 
+# -----------------------------------------------------------------------------
+# GPU memory per rank and the engine sized for a step (METHOD.md "Scale layout")
+
 def parameter_counts(config, lora_rank: int = 0) -> tuple[int, int]:
     """(parameters of the causal LM of HF `config`, parameters of one rank-`lora_rank` adapter on
     every linear layer of its decoder), counted on the meta device: nothing is allocated"""
@@ -598,6 +927,23 @@ def memory_per_rank(config, *, gpu_gib: float, engine_share: float, policy_ranks
                           * (1 if activation_checkpointing else NO_CHECKPOINT_FACTOR))
     est["total"] = sum(est.values())
     return est
+
+
+def step_engine_args(seqs: int, prompt_tokens: int) -> dict:
+    """(GPU) build_engine's scheduler settings for one student step of `seqs` sequences on this
+    rank, each with up to prompt_tokens of prompt: that many sequences at once (max_num_seqs;
+    vLLM's default, 1024, profiles and captures for more) and a prefill batch no larger than their
+    prompts (max_num_batched_tokens). On CPU, {}: build_engine sets its own."""
+    if not torch.cuda.is_available():
+        return {}
+    seqs = max(1, seqs)
+    tokens = min(GPU_MAX_BATCHED_TOKENS, max(GPU_MIN_BATCHED_TOKENS, seqs * prompt_tokens))
+    return dict(max_num_seqs=seqs, max_num_batched_tokens=max(tokens, seqs))
+
+
+def kv_capacity(llm) -> int:
+    """tokens this rank's engine holds in its KV cache (what vLLM profiled at start)"""
+    return llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens or 0
 
 
 # -----------------------------------------------------------------------------
@@ -752,347 +1098,16 @@ def _average_gradients(params: list, group) -> None:
         p.grad = g.view_as(p)
 
 
-def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """A_i = r_i - mean_{j != i} r_j over the last dim (METHOD.md "RLOO loss": raw, not normalised).
-    Teacher: rewards [g] (one per dataset); student: [questions, samples]."""
-    g = rewards.shape[-1]
-    assert g > 1, "RLOO needs at least 2 samples per group"
-    return rewards - (rewards.sum(-1, keepdim=True) - rewards) / (g - 1)
-
-
-def _head_logprobs(hidden, weight, targets, temperature):
-    logits = torch.nn.functional.linear(hidden, weight).float() / temperature
-    return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)
-
-
-class _SharedPrompts(DynamicLayer):
-    """One layer's keys and values of the distinct prompts (token_logprobs). update never appends,
-    so an activation-checkpoint recompute sees what the forward saw: in the prompt pass it keeps
-    the new ones; built with each row's prompt's, it returns them joined to the new ones."""
-    def __init__(self, keys=None, values=None):
-        super().__init__()
-        self.keys = keys
-        self.values = values
-        self.is_initialized = keys is not None
-        self.read_only = keys is not None
-
-    def update(self, keys, values, *args, **kwargs):
-        if self.read_only:
-            return torch.cat([self.keys, keys], -2), torch.cat([self.values, values], -2)
-        self.keys = keys
-        self.values = values
-        self.is_initialized = True
-        return keys, values
-
-
-def _pad(rows: list[list[int]], dev):
-    """right-padded ids and their attention mask"""
-    ids = torch.zeros(len(rows), max(1, *map(len, rows)), dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
-        attn[b, :len(r)] = 1
-    return ids.to(dev), attn.to(dev)
-
-
-def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
-                   temperature: float = 1.0, dev="cpu", shared: bool = True):
-    """log p(c_t | prompt, c_<t) of every completion token, [rows, longest completion], fp32, of
-    the logits / temperature (the distribution vLLM samples from at that temperature), and the
-    mask of real tokens (METHOD.md "RLOO loss"). `shared`: each distinct prompt runs once, its keys
-    and values shared by the rows that continue it; else one causal pass per row. The full [tokens,
-    vocab] logits never exist (3B, 16k tokens x 128k vocab: 8 GB in fp32, kept by autograd): the
-    head runs on chunks of positions, each recomputed in backward (checkpoint), its weight read
-    after the forward (lm_head returns its input): FSDP2 keeps the root's parameters gathered until
-    backward."""
-    if shared:
-        hidden, c_ids, c_attn = _hidden_shared(model, prompts, completions, dev)
-    else:
-        hidden, c_ids, c_attn = _hidden_single(model, prompts, completions, dev)
-    step = max(1, LOGIT_CHUNK_TOKENS // len(completions))
-    weight = model.lm_head.weight
-    return torch.cat([checkpoint(_head_logprobs, hidden[:, i:i + step], weight,
-                                 c_ids[:, i:i + step], temperature, use_reentrant=False)
-                      for i in range(0, hidden.shape[1], step)], 1), c_attn.float()
-
-
-def _hidden_shared(model, prompts, completions, dev):
-    """the last hidden states that predict each completion token, [rows, longest completion, d]:
-    the distinct prompts in one pass, then the completions attending to their prompt's cache"""
-    distinct = {}
-    which = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts],
-                         device=dev)
-    p_ids, p_attn = _pad(list(distinct), dev)
-    c_ids, c_attn = _pad(completions, dev)
-    cache = Cache(layer_class_to_replicate=_SharedPrompts)
-    h_prompt = model(input_ids=p_ids, attention_mask=p_attn, past_key_values=cache,
-                     use_cache=False).logits   # (the cache is ours: passed in, not made)
-    cache = Cache(layers=[_SharedPrompts(c.keys[which], c.values[which]) for c in cache.layers])
-    P = p_attn.sum(1)[which]   # each row's prompt length: its completion's positions follow it
-    h = model(input_ids=c_ids, attention_mask=torch.cat([p_attn[which], c_attn], 1),
-              position_ids=P[:, None] + torch.arange(c_ids.shape[1], device=dev),
-              past_key_values=cache, use_cache=False).logits
-    hidden = torch.cat([h_prompt[which, P - 1, None], h[:, :-1]], 1)   # position t predicts c_t
-    return hidden, c_ids, c_attn
-
-
-def _hidden_single(model, prompts, completions, dev):
-    """the same as _hidden_shared, from one causal pass over each row's prompt + completion"""
-    ids, attn = _pad([p + c for p, c in zip(prompts, completions)], dev)
-    c_ids, c_attn = _pad(completions, dev)
-    h = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-    P = torch.tensor([len(p) for p in prompts], device=dev)
-    # position P - 1 + t predicts c_t; past a row's end, any position (masked)
-    at = (P[:, None] - 1 + torch.arange(c_ids.shape[1], device=dev)).clamp(max=h.shape[1] - 1)
-    hidden = h.gather(1, at[..., None].expand(-1, -1, h.shape[-1]))
-    return hidden, c_ids, c_attn
-
-
-def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """group row indices (longest first) so rows * max_len <= budget tokens per micro-batch"""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
-def rloo_loss(logp, ref_logp, adv, mask, kl_coef: float):
-    """The loss of both the teacher and the students (METHOD.md "RLOO loss"), per completion token t
-    of rollout i (mask: 1 on the positions that predict a completion token):
-        pg = -A_i * exp(logp - sg(logp))          (value -A_i, gradient -A_i * dlogp)
-        kl = exp(ref - logp) - (ref - logp) - 1    (k3 estimator, >= 0; 0 without a reference)
-    Returns the masked sums of pg + kl_coef * kl (to backpropagate), of pg and of kl (detached)."""
-    pg = -adv * torch.exp(logp - logp.detach())
-    d = ref_logp - logp if ref_logp is not None else torch.zeros_like(logp)
-    kl = torch.exp(d) - d - 1
-    return (((pg + kl_coef * kl) * mask).sum(), (pg.detach() * mask).sum(),
-            (kl.detach() * mask).sum())
-
-
-def sept_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """SePT (METHOD.md "SePT"): advantage 1 for every sample whatever its reward, so rloo_loss
-    without KL is the NLL of the samples themselves."""
-    return torch.ones_like(rewards)
-
-
-def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-               advantages: list[float], *, loss, temperature: float,
-               micro_batch_tokens: int = 16384, meter: Meter | None = None) -> dict:
-    """One update on this rank's rows of the batch (every rank of policy.mesh calls it with its
-    own): `loss` (rloo_loss) of the log-probs at `temperature` (the one sampled at: on-policy),
-    summed over the micro-batches, divided by the completion tokens of the GLOBAL batch and, as FSDP
-    averages gradients over ranks, times the mesh size."""
-    dev = policy.device
-    group = policy.mesh.get_group()
-    world = dist.get_world_size(group)
-    stats = torch.tensor([float(sum(len(c) for c in completion_ids)), 0.0, 0.0],
-                         dtype=torch.float64, device=dev)
-    dist.all_reduce(stats[:1], group=group)
-    n_tokens = stats[0].item()
-    scale = world / max(n_tokens, 1.0)
-    batches = _micro_batches([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
-                             micro_batch_tokens)
-    # pad with zero-weight dummies to the busiest rank's passes, or the FSDP collectives hang
-    n_mb = torch.tensor([len(batches)], device=dev)
-    dist.all_reduce(n_mb, op=dist.ReduceOp.MAX, group=group)
-    batches += [[]] * (int(n_mb.item()) - len(batches))
-    for rows in batches:   # a dummy ([]): one prompt token, an empty completion (mask 0)
-        batch = ([prompt_ids[i] for i in rows] or [[0]], [completion_ids[i] for i in rows] or [[]])
-        if policy.adapter is not None:
-            set_adapter(policy.model, policy)   # LoRA: this policy's adapter on the shared base
-        logp, mask = token_logprobs(policy.model, *batch, temperature, dev, policy.shared_prompts)
-        ref_logp = reference_logprobs(policy, *batch, temperature)
-        adv = torch.tensor([[advantages[i]] for i in rows] or [[0.0]], device=dev)
-        total, pg, kl = loss(logp, ref_logp, adv, mask, policy.kl_coef)
-        (total * scale * (1.0 if rows else 0.0)).backward()
-        stats[1] += pg
-        stats[2] += kl
-    dist.all_reduce(stats[1:], group=group)
-    if meter is not None:
-        meter.count("trained", sum(map(len, prompt_ids)) + sum(map(len, completion_ids)))
-    if policy.adapter is not None:
-        _average_gradients(list(policy.adapter.values()), group)
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable(policy).values(), policy.grad_clip)
-    if isinstance(grad_norm, DTensor):
-        grad_norm = grad_norm.full_tensor()
-    lr = policy.scheduler.get_last_lr()[0]
-    pg_loss = stats[1].item() / max(n_tokens, 1.0)
-    kl = stats[2].item() / max(n_tokens, 1.0)
-    finite = all(map(math.isfinite, (pg_loss, kl, grad_norm.item())))   # all-reduced: ranks agree
-    if finite:
-        policy.optimizer.step()
-        policy.scheduler.step()
-    policy.optimizer.zero_grad(set_to_none=True)
-    policy.nonfinite = 0 if finite else policy.nonfinite + 1
-    if not finite:
-        if meter is not None:
-            meter.count("skipped_updates")
-        msg = f"non-finite loss {pg_loss}, KL {kl} or gradient norm {grad_norm.item()}"
-        if policy.nonfinite >= MAX_NONFINITE:
-            raise RuntimeError(f"{msg} in {policy.nonfinite} updates in a row: stopping "
-                               "(see MAX_NONFINITE in rloo.py)")
-        print0(f"rloo.train_step: {msg}: update skipped", file=sys.stderr)
-    return dict(loss=pg_loss + policy.kl_coef * kl, pg_loss=pg_loss, kl=kl,
-                grad_norm=grad_norm.item(), lr=lr, tokens=n_tokens, skipped=not finite)
-
-
-@torch.no_grad()
-def reference_logprobs(policy: Policy, prompts, completions, temperature: float):
-    """token_logprobs of the KL reference (None without one): the frozen copy, or with LoRA the
-    base without an adapter (the policy's is put back: activation checkpointing recomputes the
-    policy's forward in backward)"""
-    args = (prompts, completions, temperature, policy.device, policy.shared_prompts)
-    if policy.ref is not None:
-        logp = token_logprobs(policy.ref, *args)[0]
-        reshard(policy.ref)   # else its root (embeddings, head) stays gathered (0.7 GiB)
-        return logp
-    if policy.adapter is None or policy.kl_coef == 0:
-        return None
-    set_adapter(policy.model, None)
-    try:
-        return token_logprobs(policy.model, *args)[0]
-    finally:
-        set_adapter(policy.model, policy)
-
-
-def rl_step(policy: Policy, llm, batch: list[tuple[str, str]], **kwargs) -> dict:
-    """One RL step of one policy on (question, answer) pairs (rl_steps)"""
-    return rl_steps([policy], llm, [batch], **kwargs)[0]
-
-
-def rl_steps(policies: list[Policy], llm, batches: list[list[tuple[str, str]]], *, prompt, reward,
-             samples: int, temperature: float, max_tokens: int, seed: int, group,
-             micro_batch_tokens: int, advantages, loss, train_temperature: float | None = None,
-             meter: Meter | None = None) -> list[dict]:
-    """One RL step of each policy on its batch of (question, answer) pairs (METHOD.md "Inner loop";
-    also eval.py's fresh students): sync, sample `samples` completions of prompt(question) per
-    question on the group's engines, all policies in one engine call (LoRA: each request served by
-    its policy's adapter), score them with reward(completions, answers) (split over the ranks),
-    `advantages` of each question's [samples] rewards (rloo_advantages: leave-one-out;
-    sept_advantages: all 1), then one `loss` update per policy at train_temperature (default: the
-    sampling one). Phases: sync, student_rollouts (sampling and scoring). Returns, per policy,
-    train_step's stats, the mean `reward`, `rewards` (flat, question by question) and
-    `nontrivial`: per question, did its rewards vary."""
-    meter = meter or Meter()
-    with meter.timed("sync"):
-        for policy in policies:
-            sync_weights(policy, llm)
-    with meter.timed("student_rollouts"):
-        pairs = [pair for batch in batches for pair in batch]
-        outs = generate(llm, [prompt(q) for q, _ in pairs], n=samples, temperature=temperature,
-                        max_tokens=max_tokens, seed=seed, group=group,
-                        adapters=adapters_of(policies, [len(b) for b in batches]), meter=meter)
-        flat = [(smp, a) for o, (_, a) in zip(outs, pairs) for smp in o]
-        rewards = split_map(lambda share: reward([s.text for s, _ in share], [a for _, a in share]),
-                            flat, group)
-    if train_temperature is None:
-        train_temperature = temperature
-    results = []
-    lo = 0
-    for policy, batch in zip(policies, batches):
-        hi = lo + len(batch) * samples
-        table = torch.tensor(rewards[lo:hi]).view(len(batch), samples)   # questions x samples
-        adv = advantages(table).flatten().tolist()
-        rows = my_share([(smp, a) for (smp, _), a in zip(flat[lo:hi], adv)], group)
-        stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows],
-                           [smp.token_ids for smp, _ in rows], [a for _, a in rows], loss=loss,
-                           temperature=train_temperature, micro_batch_tokens=micro_batch_tokens,
-                           meter=meter)
-        policy_rewards = rewards[lo:hi]
-        results.append({**stats, "reward": sum(policy_rewards) / len(policy_rewards),
-                        "rewards": policy_rewards,
-                        "nontrivial": (table.std(1) > 0).tolist()})
-        lo = hi
-    return results
-
-
-def adapters_of(policies: list[Policy], counts: list[int]) -> list | None:
-    """The adapter serving each request of a call that holds counts[b] requests of policies[b]
-    (after their syncs); None for one policy: the engine serves what was synced last. Several
-    policies in one call must be LoRA adapters: the engine holds one set of full weights."""
-    if len(policies) == 1:
-        return None
-    if any(p.adapter is None for p in policies):
-        raise ValueError("several policies in one engine call need LoRA adapters (lora_rank > 0)")
-    return [p.served for p, count in zip(policies, counts) for _ in range(count)]
+def adapter_root(need_bytes: int, shm: str = SHM) -> str | None:
+    """RAM-backed `shm` where it exists and has need_bytes free, else the temporary folder (None: a
+    container's /dev/shm is 64 MB by default, less than one rank-32 adapter of a 3B model)"""
+    if os.path.isdir(shm) and shutil.disk_usage(shm).free >= need_bytes:
+        return shm
+    return None
 
 
 # -----------------------------------------------------------------------------
-# trainer -> engine weight sync, snapshots, sharded state, HF folders
-
-def reshard(model) -> None:
-    """reshard every FSDP2 unit: after a forward with no backward (no_grad), the root stays
-    unsharded"""
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-def sync_weights(policy: Policy, llm) -> None:
-    """Stream the full weights into this rank's engine one tensor at a time (a generator, consumed
-    as we gather: no full copy ever exists). model.state_dict() has plain HF names in the same order
-    on every rank, and includes lm_head.weight even when tied: without it vLLM silently keeps stale
-    logits (1.3 nats off in our tests). model.load_weights fails on the CPU runner; reload_weights
-    works, and takes a generator as external_launcher runs the worker in this process. LoRA: the
-    adapter alone (sync_adapter)."""
-    if policy.adapter is not None:
-        return sync_adapter(policy, llm)
-    dtype = llm.llm_engine.model_config.dtype
-    reshard(policy.model)
-
-    def weights():
-        for name, p in policy.model.state_dict().items():
-            p = p.detach().to(dtype)   # cast before gathering: half the traffic to a bf16 engine
-            yield name, (p.full_tensor() if isinstance(p, DTensor) else p)
-
-    it = weights()
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": it})
-    for _ in it:   # drain (should be empty) so every rank runs the same all-gathers
-        pass
-    llm.reset_prefix_cache()
-    llm.adapter = None   # requests are served by these weights
-    llm.base_replaced = True
-
-
-def serve_hf(llm, path: str) -> None:
-    """The full weights of the HF folder `path` (or hub name) into this rank's engine, streamed
-    from its safetensors files one tensor at a time (no trainer, no optimizer: an inference row of
-    eval.py); requests are served by them from then on. The folder must hold the engine's
-    architecture (a fine-tune of the model it was built from). A tied head is sent as the
-    embedding: vLLM's reload_weights(weights_path=...) skips it and keeps the old head's logits
-    (5.3 nats off in our tests). vLLM's reload also drops every adapter it holds: serve_adapter
-    loads them again."""
-    if not os.path.isdir(path):   # a hub name: its files, downloaded once (as vLLM does)
-        from transformers.utils.hub import snapshot_download   # (huggingface_hub's)
-        path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"{path}: no *.safetensors weights to serve")
-    dtype = llm.llm_engine.model_config.dtype
-
-    def weights():
-        embedding = None
-        head = False
-        for file in files:
-            with safe_open(file, "pt") as f:
-                for name in f.keys():
-                    t = f.get_tensor(name).to(dtype)
-                    head |= name == "lm_head.weight"
-                    if name == "model.embed_tokens.weight":
-                        embedding = t
-                    yield name, t
-        if not head and embedding is not None:
-            yield "lm_head.weight", embedding
-
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
-    llm.reset_prefix_cache()
-    llm.adapter = None
-    llm.base_replaced = os.path.realpath(path) != os.path.realpath(llm.base_path)
-
+# snapshots, sharded state, HF folders
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t

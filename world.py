@@ -95,7 +95,7 @@ RECIPES["small"] = dict(   # the tests': formats and plumbing, not skill
     steps=150, hard=[("word", "---")], k=32, need=8, batch_candidates=32, max_candidates=256,
     teacher_samples=64, level_samples=8,
     probe=[("add", 1), ("word", "+"), ("word", "-"), ("word", "---")])
-VERSION = 5                 # bump when the recipe changes: it is part of the cache key
+VERSION = 6                 # bump when the recipe or its sampling changes: part of the cache key
 
 # -----------------------------------------------------------------------------
 
