@@ -208,8 +208,11 @@ def test_with_a_model_a_problem_is_valid_when_a_student_agrees(runs, tmp_path):
     samples reaches the teacher's answer (METHOD.md "PopuLoRA", the agreement rule)"""
     model = pl.world.build_world(small=True)["model"]   # built by the runs fixture
     tokens = str(pl.world.MAX_TOKENS)
-    p = torchrun("populora.py", tmp_path / "agree", *FLAGS[2:], "--rounds", "1", "--model", model,
-                 "--student_max_tokens", tokens, "--teacher_max_tokens", tokens,
+    # two rounds of 8 samples a problem: in one round of 4, this tiny model's students may agree on
+    # none of the 8 problems (seen: 0 kept; 2 rounds of 8: 5)
+    p = torchrun("populora.py", tmp_path / "agree", *FLAGS[2:], "--rounds", "2", "--model", model,
+                 "--student_samples", "8", "--student_max_tokens", tokens,
+                 "--teacher_max_tokens", tokens,
                  "--lora_rank", "8", "--teacher_lr", "3e-3", "--student_lr", "3e-3")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     kept = rows(tmp_path / "agree" / "questions.jsonl")
