@@ -221,27 +221,29 @@ def mutate_gaussian(adapter: dict, sigma: float, seed: int) -> dict:
     return child
 
 
-def crossover_dare(a: dict, b: dict, drop: float, seed: int) -> dict:
+def crossover_dare(a: dict, b: dict, drop: float, seed: int, device=None) -> dict:
     """DARE-style merge in update space: per layer, the parents' updates U_a = B_a A_a and
     U_b = B_b A_b merge entry by entry as U_a + (U_b - U_a) m / (2 (1 - drop)), m a Bernoulli
     (1 - drop) mask, the parents' mean update in expectation; the merge (full rank in general) is
     then refactored to the adapters' rank r by its truncated SVD U S V^T: A = V_r^T (orthonormal
     rows, as a fresh A's scale), B = U_r S_r, the closest rank-r update. The LoRA scale alpha / r
     is the same for both parents and the child, so it cancels. Equal parents give the parent's
-    update (its factors may differ)."""
+    update (its factors may differ). The SVDs run on `device` (a GPU's: a 7B layer's take seconds
+    there, minutes on a CPU); the child comes back where the parents are."""
     g = torch.Generator().manual_seed(seed)
     child = {}
     for layer in sorted({layer_of(n) for n in a}):
         A = a[layer + ".lora_A"]
         rank = A.shape[0]
-        update_a = a[layer + ".lora_B"].double() @ A.double()
-        update_b = b[layer + ".lora_B"].double() @ b[layer + ".lora_A"].double()
-        kept = (torch.rand(update_a.shape, generator=g, dtype=torch.float64) >= drop).to(
-            update_a.device)
+        on = device or A.device
+        update_a = a[layer + ".lora_B"].to(on, torch.float64) @ A.to(on, torch.float64)
+        update_b = (b[layer + ".lora_B"].to(on, torch.float64) @
+                    b[layer + ".lora_A"].to(on, torch.float64))
+        kept = (torch.rand(update_a.shape, generator=g) >= drop).to(on)
         merged = update_a + (update_b - update_a) * kept / (2 * (1 - drop))
         u, s, vh = torch.linalg.svd(merged, full_matrices=False)
-        child[layer + ".lora_A"] = vh[:rank].to(A.dtype)
-        child[layer + ".lora_B"] = (u[:, :rank] * s[:rank]).to(A.dtype)
+        child[layer + ".lora_A"] = vh[:rank].to(A.device, A.dtype)
+        child[layer + ".lora_B"] = (u[:, :rank] * s[:rank]).to(A.device, A.dtype)
     return child
 
 
@@ -485,7 +487,8 @@ def evolve(cfg: Config, run, rnd: int) -> dict:
         child = rloo.snapshot(members[best])
         seed = launch.seed_of(cfg.seed, rnd, name, "crossover")
         if second is not None and cfg.crossover == "dare":
-            child = crossover_dare(child, rloo.snapshot(members[second]), cfg.dare_drop, seed)
+            child = crossover_dare(child, rloo.snapshot(members[second]), cfg.dare_drop, seed,
+                                   members[best].device)
         elif second is not None:
             child = crossover_layers(child, rloo.snapshot(members[second]), seed)
         seed = launch.seed_of(cfg.seed, rnd, name, "mutation")

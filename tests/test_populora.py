@@ -197,7 +197,7 @@ def test_dare_merges_the_parents_updates_and_refactors_them_to_the_rank():
     kept = {}
     for i in range(6):
         name = f"model.layers.{i}.mlp.up_proj"
-        kept[name] = torch.rand(16, 8, generator=g, dtype=torch.float64) >= 0.5
+        kept[name] = torch.rand(16, 8, generator=g) >= 0.5
     ua, ub = update(a, layer), update(b, layer)
     merged = ua + (ub - ua) * kept[layer] / (2 * 0.5)
     u, s, vh = torch.linalg.svd(merged)
