@@ -1,9 +1,10 @@
 r"""PopuLoRA (METHOD.md "PopuLoRA"): a population of teachers and a population of students, all LoRA
-adapters on one frozen base. Each round every teacher is matched with a student by rating, writes
-problems, and its student solves them; a teacher is rewarded by its student's failure rate on its
-valid problems (zero-sum); ratings follow the results; every --evolve_every rounds the lowest-rated
-member of each population is replaced by a mutated crossover of its two best. --single_agent is
-the baseline: one adapter plays both roles, with the same updates.
+adapters on one frozen base. Each round every teacher is matched with a student by TrueSkill rating
+(PFSP), writes problems, and its student solves them; a teacher is rewarded by its student's
+failures on its valid problems (Absolute Zero's proposer reward); ratings follow the results; every
+--evolve_every rounds, before the round, the lowest-rated member of each population is replaced by
+a mutated crossover of the best two of the others. --single_agent is the baseline: one adapter
+plays both roles, with the updates and samples of one population member (per adapter).
 
 Launch:
     torchrun --standalone --nproc_per_node 1 populora.py                # CPU: the built-in world
@@ -18,8 +19,10 @@ round, teacher, student and solve rate), teachers/t<i>/ and students/s<j>/ (PEFT
 on the base model, every --save_every rounds and at the end), ckpt/ (resume).
 """
 import dataclasses
+import math
 import os
 import random
+import statistics
 import time
 
 import torch
@@ -53,15 +56,15 @@ class Config:
     teachers: int = launch.flag(4, "teacher adapters", least=1)
     students: int = launch.flag(4, "student adapters", least=1)
     single_agent: bool = launch.flag(False,
-        "the baseline: one adapter writes and solves its own problems, at --teacher_lr "
-        "(needs 1 + 1)")
+        "the baseline: one adapter writes and solves its own problems, one update a round as a "
+        "member takes: a student's (--student_lr) in even rounds, a teacher's in odd (needs 1 + 1)")
     rounds: int = launch.flag(40, "rounds of play", least=1)
     proposals: int = launch.flag(8, "problems a teacher writes a round (its RLOO group)", least=2)
     student_samples: int = launch.flag(32, world=8,
         help="samples per problem (the student's RLOO group)", least=2)
     evolve_every: int = launch.flag(5,
-        "every this many rounds, replace each population's lowest-rated member (0: never)",
-        least=0)
+        "every this many rounds, before the round, replace each population's lowest-rated "
+        "member (0: never; never after the last round)", least=0)
     crossover: str = launch.flag("layers", "evolution's crossover of the two best: each layer "
                                  "from one parent, or a DARE merge", choices=("layers", "dare"))
     dare_drop: float = launch.flag(0.5, "--crossover dare: the share of the parents' difference "
@@ -71,6 +74,9 @@ class Config:
                                 choices=("gaussian", "svd"))
     mutation_sigma: float = launch.flag(0.1, "the mutation's scale: gaussian, the noise as a share "
                                         "of each tensor's RMS; svd, the std of log(scale)")
+    proposer_reward: str = launch.flag("azr", "a teacher's reward for a valid problem its "
+                                       "student solves at rate s: 1 - s, and for s = 0 azr: 0 "
+                                       "(Absolute Zero's), failure: 1", choices=("azr", "failure"))
     # ---- optimisation ----
     teacher_lr: float = launch.flag(1e-4, world=3e-4, help="AdamW, constant: the population "
         "trains while it plays (LoRA: ~10x full fine-tuning's)")
@@ -96,9 +102,16 @@ class Config:
     verbose: bool = launch.flag(False, "keep vLLM's warnings and load bars on the console")
 
 
-# ratings (METHOD.md "PopuLoRA"): Elo, every member starting level
-ELO_START = 1000.0
-ELO_K = 32.0
+# ratings (METHOD.md "PopuLoRA", step 5): TrueSkill for 1-vs-1 games, its usual constants. A
+# member's rating is (mu, sigma); a newcomer's (MU0, SIGMA0); BETA: the skill gap that wins 76% of
+# games; TAU: sigma's growth a round (dynamics), capped at SIGMA0; DRAW_P: the prior share of draws
+MU0 = 25.0
+SIGMA0 = MU0 / 3
+BETA = SIGMA0 / 2
+TAU = SIGMA0 / 100
+DRAW_P = 0.10
+NORMAL = statistics.NormalDist()
+DRAW_MARGIN = NORMAL.inv_cdf((DRAW_P + 1) / 2) * math.sqrt(2) * BETA   # TrueSkill's epsilon
 OUTPUTS = ("metrics.jsonl", "questions.jsonl")
 MAY_CHANGE = {"rounds", "out", "micro_batch_tokens", "activation_checkpointing", "prompt_pass",
               "gpu_memory_utilization", "save_every", "verbose"}
@@ -110,31 +123,77 @@ def parse_args(argv=None) -> Config:
 
 
 # ---------------------------------------------------------------------------------------------
-# ratings and matchmaking: pure functions (tested on hand-built ratings)
-
-def expected(r_a: float, r_b: float) -> float:
-    """Elo: the score a member rated r_a expects against one rated r_b"""
-    return 1.0 / (1.0 + 10.0 ** ((r_b - r_a) / 400.0))
+# ratings and matchmaking: pure functions (tested on hand-built ratings). A rating is [mu, sigma].
 
 
-def pfsp_weights(teacher: float, students: list[float]) -> list[float]:
-    """Prioritized fictitious self-play's even-match weighting: p (1 - p), p = a student's expected
-    score against the teacher; largest for the students the teacher is level with"""
-    return [expected(s, teacher) * (1.0 - expected(s, teacher)) for s in students]
+def win_probability(a: list, b: list) -> float:
+    """TrueSkill: the chance that a member rated a beats one rated b (draws aside)"""
+    return NORMAL.cdf((a[0] - b[0]) / math.sqrt(2 * BETA ** 2 + a[1] ** 2 + b[1] ** 2))
 
 
-def match(teacher_ratings: list[float], student_ratings: list[float],
-          rng: random.Random) -> list[int]:
-    """each teacher's student this round, drawn by pfsp_weights (a student may get several)"""
-    return [rng.choices(range(len(student_ratings)), weights=pfsp_weights(t, student_ratings))[0]
-            for t in teacher_ratings]
+def pfsp_weights(teacher: list, students: list[list]) -> list[float]:
+    """Prioritized fictitious self-play's even-match weighting: p (1 - p), p = a student's
+    win_probability against the teacher; largest for the students the teacher is level with, and
+    for the uncertain (a large sigma pulls p to 1/2)"""
+    return [max(p * (1 - p), 1e-12) for p in (win_probability(s, teacher) for s in students)]
 
 
-def elo_update(teacher: float, student: float, score: float) -> tuple[float, float]:
-    """the two new ratings after a match in which the student scored `score` in [0, 1] (its solve
-    rate) and the teacher 1 - score: zero-sum, ELO_K per full upset"""
-    delta = ELO_K * (score - expected(student, teacher))
-    return teacher - delta, student + delta
+def match(teacher_ratings: list, student_ratings: list, rng: random.Random) -> list[int]:
+    """each teacher's student this round. Teachers draw in a random order, by pfsp_weights, from
+    the students not yet drawn this round (all of them again once each has been drawn): with equal
+    populations every student plays exactly once, with more teachers at least once."""
+    order = list(range(len(teacher_ratings)))
+    rng.shuffle(order)
+    pairs = [0] * len(teacher_ratings)
+    free = []
+    for i in order:
+        free = free or list(range(len(student_ratings)))
+        weights = pfsp_weights(teacher_ratings[i], [student_ratings[j] for j in free])
+        pairs[i] = free.pop(rng.choices(range(len(free)), weights=weights)[0])
+    return pairs
+
+
+def outcome(score: float) -> float:
+    """a match's result for the student from its solve rate: a win above 1/2, a loss below, a
+    draw at 1/2 (1, 0 or 0.5)"""
+    return 1.0 if score > 0.5 else 0.0 if score < 0.5 else 0.5
+
+
+def grow_sigma(rating: list) -> list:
+    """TrueSkill's dynamics, once a round for every member, played or not: sigma^2 + TAU^2, at
+    most SIGMA0 (absence never makes a member less known than a newcomer)"""
+    return [rating[0], min(SIGMA0, math.sqrt(rating[1] ** 2 + TAU ** 2))]
+
+
+def trueskill_update(winner: list, loser: list, draw: bool = False) -> tuple[list, list]:
+    """TrueSkill's two-player update (Herbrich et al. 2006), a draw if `draw`: both means move
+    by their own sigma^2 / c times v (so the means' total is kept only when the sigmas are equal),
+    both sigmas shrink by their factor (1 - sigma^2 w / c^2)"""
+    c = math.sqrt(2 * BETA ** 2 + winner[1] ** 2 + loser[1] ** 2)
+    t = (winner[0] - loser[0]) / c
+    e = DRAW_MARGIN / c
+    if draw:
+        mass = NORMAL.cdf(e - t) - NORMAL.cdf(-e - t)
+        v = (NORMAL.pdf(-e - t) - NORMAL.pdf(e - t)) / mass
+        w = v ** 2 + ((e - t) * NORMAL.pdf(e - t) + (e + t) * NORMAL.pdf(e + t)) / mass
+    else:
+        mass = NORMAL.cdf(t - e)
+        v = NORMAL.pdf(t - e) / mass if mass > 1e-300 else e - t   # (the limit for a big upset)
+        w = v * (v + t - e)
+    new = []
+    for (mu, sigma), sign in ((winner, 1.0), (loser, -1.0)):
+        shrink = max(1 - sigma ** 2 / c ** 2 * w, 1e-12)
+        new.append([mu + sign * sigma ** 2 / c * v, sigma * math.sqrt(shrink)])
+    return new[0], new[1]
+
+
+def rate_match(teacher: list, student: list, result: float) -> tuple[list, list]:
+    """the teacher's and the student's new ratings after a match whose result for the student
+    is `result` (outcome: 1, 0 or 0.5)"""
+    if result == 0.0:
+        return trueskill_update(teacher, student)
+    student, teacher = trueskill_update(student, teacher, draw=result == 0.5)
+    return teacher, student
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,16 +222,29 @@ def mutate_gaussian(adapter: dict, sigma: float, seed: int) -> dict:
     return child
 
 
-def crossover_dare(a: dict, b: dict, drop: float, seed: int) -> dict:
-    """DARE-style merge: a plus half of the difference b - a, after dropping each entry of that
-    difference with probability `drop` and rescaling the rest by 1 / (1 - drop), so that the
-    child is the parents' mean in expectation. Per tensor (A and B apart, as a merge of adapter
-    tensors does). Same rank; equal parents give the parent."""
+def crossover_dare(a: dict, b: dict, drop: float, seed: int, device=None) -> dict:
+    """DARE-style merge in update space: per layer, the parents' updates U_a = B_a A_a and
+    U_b = B_b A_b merge entry by entry as U_a + (U_b - U_a) m / (2 (1 - drop)), m a Bernoulli
+    (1 - drop) mask, the parents' mean update in expectation; the merge (full rank in general) is
+    then refactored to the adapters' rank r by its truncated SVD U S V^T: A = V_r^T (orthonormal
+    rows, as a fresh A's scale), B = U_r S_r, the closest rank-r update. The LoRA scale alpha / r
+    is the same for both parents and the child, so it cancels. Equal parents give the parent's
+    update (its factors may differ). The SVDs run on `device` (a GPU's: a 7B layer's take seconds
+    there, minutes on a CPU); the child comes back where the parents are."""
     g = torch.Generator().manual_seed(seed)
     child = {}
-    for n in sorted(a):
-        kept = (torch.rand(a[n].shape, generator=g) >= drop).to(a[n].device, a[n].dtype)
-        child[n] = a[n] + 0.5 * (b[n] - a[n]) * kept / (1.0 - drop)
+    for layer in sorted({layer_of(n) for n in a}):
+        A = a[layer + ".lora_A"]
+        rank = A.shape[0]
+        on = device or A.device
+        update_a = a[layer + ".lora_B"].to(on, torch.float64) @ A.to(on, torch.float64)
+        update_b = (b[layer + ".lora_B"].to(on, torch.float64) @
+                    b[layer + ".lora_A"].to(on, torch.float64))
+        kept = (torch.rand(update_a.shape, generator=g) >= drop).to(on)
+        merged = update_a + (update_b - update_a) * kept / (2 * (1 - drop))
+        u, s, vh = torch.linalg.svd(merged, full_matrices=False)
+        child[layer + ".lora_A"] = vh[:rank].to(A.device, A.dtype)
+        child[layer + ".lora_B"] = (u[:, :rank] * s[:rank]).to(A.device, A.dtype)
     return child
 
 
@@ -193,12 +265,15 @@ def mutate_svd(adapter: dict, sigma: float, seed: int) -> dict:
     return child
 
 
-def replacement(ratings: list[float]) -> tuple[int, int, int] | None:
-    """(loser, best, second) of a population by rating (first on ties); None below 2 members"""
-    if len(ratings) < 2:
+def replacement(mus: list[float]) -> tuple[int, int, int | None] | None:
+    """(loser, best, second) of a population by its members' mu (first on ties): the lowest, and
+    the two best of the others. With 2 members there is no second (None: the child is the best,
+    mutated; the loser is never its own parent). None below 2 members."""
+    if len(mus) < 2:
         return None
-    order = sorted(range(len(ratings)), key=lambda i: (-ratings[i], i))
-    return order[-1], order[0], order[1]
+    order = sorted(range(len(mus)), key=lambda i: (-mus[i], i))
+    second = order[1] if len(mus) > 2 else None
+    return order[-1], order[0], second
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +292,16 @@ def main(cfg: Config):
     for rnd in bar:
         meter = rloo.Meter()
         t_round = time.perf_counter()
-        # 1. matchmaking: each teacher draws a student, favouring even matches
+        # 0. evolution, every evolve_every rounds, before the round: the lowest-rated member of
+        # each population is replaced. Never after the last round, so every member a run ends
+        # with (saved, evaluated) has trained since it was made.
+        evolved = {}
+        if cfg.evolve_every and rnd and rnd % cfg.evolve_every == 0:
+            evolved = evolve(cfg, run, rnd)
+        # 1. matchmaking: every rating's sigma grows (TrueSkill's dynamics); each teacher draws
+        # a student, favouring even matches, every student drawn once before any twice
+        for name in ("teacher_ratings", "student_ratings"):
+            state[name] = [grow_sigma(r) for r in state[name]]
         pairs = match(state["teacher_ratings"], state["student_ratings"],
                       random.Random(launch.seed_of(cfg.seed, rnd, "match")))
         # 2. every teacher writes its problems (one engine call); the format filter and the
@@ -227,23 +311,23 @@ def main(cfg: Config):
                 rloo.sync_weights(policy, run.llm)
         proposals = propose(cfg, run, rnd, meter)
         # 3. the matched students solve them (one engine call) and learn from the valid ones
-        solves = solve_and_learn(cfg, run, rnd, pairs, proposals, meter)
-        # 4. each teacher learns from its student's failure rate on its valid problems
-        teacher_stats = teach(cfg, run, proposals, solves, meter)
-        # 5. ratings: a match's score is the student's solve rate (1 where nothing was valid)
+        roles = trained_roles(cfg, rnd)
+        solves = solve_and_learn(cfg, run, rnd, pairs, proposals, meter, "students" in roles)
+        # 4. each teacher learns from its student's failures on its valid problems
+        teacher_stats = teach(cfg, run, proposals, solves, meter, "teachers" in roles)
+        # 5. ratings: a match's score is the student's solve rate (1 where nothing was valid),
+        # its result a win, a loss or a draw (match_results)
         scores = [sum(s) / len(s) if s else 1.0 for s in valid_solves(solves)]
-        for i, j in enumerate(pairs):
-            state["teacher_ratings"][i], state["student_ratings"][j] = elo_update(
-                state["teacher_ratings"][i], state["student_ratings"][j], scores[i])
-        # 6. evolution: the lowest-rated member of each population is replaced
-        evolved = evolve(cfg, run, rnd) if cfg.evolve_every and \
-            (rnd + 1) % cfg.evolve_every == 0 else {}
+        for i, (j, result) in enumerate(zip(pairs, match_results(solves, scores))):
+            state["teacher_ratings"][i], state["student_ratings"][j] = rate_match(
+                state["teacher_ratings"][i], state["student_ratings"][j], result)
         state["round"] = rnd + 1
         row = dict(round=rnd, pairs=pairs, scores=scores,
                    valid=[sum(v is not None for _, v in p) / len(p) for p in proposals],
-                   teacher_ratings=[round(r, 2) for r in state["teacher_ratings"]],
-                   student_ratings=[round(r, 2) for r in state["student_ratings"]],
-                   teacher_loss=[s["loss"] for s in teacher_stats], evolved=evolved,
+                   teacher_ratings=[[round(x, 3) for x in r] for r in state["teacher_ratings"]],
+                   student_ratings=[[round(x, 3) for x in r] for r in state["student_ratings"]],
+                   trained=sorted(roles),
+                   teacher_loss=[s and s["loss"] for s in teacher_stats], evolved=evolved,
                    **{k: round(v, 3) for k, v in meter.seconds.items()},
                    total=round(time.perf_counter() - t_round, 3))
         questions = []   # the curriculum: every problem that passed every check
@@ -258,6 +342,28 @@ def main(cfg: Config):
                       f"valid {sum(row['valid']) / len(row['valid']):.0%}  "
                       f"{row['total']:.0f} s" + (f"  evolved {evolved}" if evolved else ""))
     rloo.print0(f"done: {cfg.out}/metrics.jsonl, {cfg.out}/teachers, {cfg.out}/students")
+
+
+def trained_roles(cfg: Config, rnd: int) -> set[str]:
+    """the roles whose adapters take their update this round. A population: both, each member one
+    update a round. --single_agent, matched per adapter (METHOD.md "PopuLoRA", the baseline): its
+    one adapter takes one update a round too, as a student in even rounds and as a teacher in odd,
+    each on samples it drew this round, before the update."""
+    if not cfg.single_agent:
+        return {"teachers", "students"}
+    return {"students"} if rnd % 2 == 0 else {"teachers"}
+
+
+def match_results(solves: list[list], scores: list[float]) -> list[float]:
+    """each match's result for the student (outcome of its score). A match whose problems were
+    all formatted but none valid is a draw: only --model's agreement rule leaves a problem
+    unverified (solves' None), and a problem no sample agrees with is too hard or wrong, no one can
+    say which, so the match moves ratings toward neither side."""
+    results = [outcome(s) for s in scores]
+    for i, rates in enumerate(solves):
+        if rates and all(r is None for r in rates):
+            results[i] = 0.5
+    return results
 
 
 def unique(policies: list) -> list:
@@ -288,11 +394,12 @@ def propose(cfg: Config, run, rnd: int, meter: rloo.Meter) -> list[list]:
 
 
 def solve_and_learn(cfg: Config, run, rnd: int, pairs: list[int], proposals: list[list],
-                    meter: rloo.Meter) -> list[list[float]]:
+                    meter: rloo.Meter, learn: bool = True) -> list[list[float]]:
     """Step 3: each student samples student_samples solutions of every valid problem of the
-    teachers matched with it, all students in one engine call; then one RLOO update each on the
-    problems that stay valid (METHOD.md "Inner loop": the student's reward and advantages).
-    Returns per teacher the solve rate of each of its valid problems, in order."""
+    teachers matched with it, all students in one engine call; then, if `learn`, one RLOO update
+    each on the problems that stay valid (METHOD.md "Inner loop": the student's reward and
+    advantages). Returns per teacher the solve rate of each of its formatted problems, in order,
+    None for one that failed the agreement rule."""
     k = cfg.student_samples
     work = []   # (teacher, question, answer) of every valid problem
     for i, p in enumerate(proposals):
@@ -313,11 +420,11 @@ def solve_and_learn(cfg: Config, run, rnd: int, pairs: list[int], proposals: lis
     keep = [run.checker is not None or r > 0 for r in rates]
     adv = rloo.rloo_advantages(table)
     with meter.timed("student_training"):
-        for policy in unique(run.students):
+        for policy in unique(run.students) if learn else []:
             rows = [(s, adv[w, c].item()) for w, o in enumerate(outs) for c, s in enumerate(o)
                     if policies[w] is policy and keep[w]]
             if rows:   # (the same on every rank) a student without a valid problem sits out
-                train(cfg, policy, rloo.my_share(rows), meter)
+                train(cfg, policy, rloo.my_share(rows), meter, cfg.student_lr)
     solves = [[] for _ in proposals]
     for (i, _, _), rate, ok in zip(work, rates, keep):
         solves[i].append(rate if ok else None)
@@ -329,25 +436,37 @@ def valid_solves(solves: list[list]) -> list[list[float]]:
     return [[r for r in rates if r is not None] for rates in solves]
 
 
-def teach(cfg: Config, run, proposals: list[list], solves: list[list], meter: rloo.Meter):
-    """Step 4: one RLOO update per teacher over its proposals: reward 1 - solve rate of a valid
-    problem (zero-sum with its student), 0 for one that failed a check (METHOD.md "PopuLoRA")."""
+def proposer_reward(cfg: Config, rate: float | None) -> float:
+    """a teacher's reward for one proposal (METHOD.md "PopuLoRA", step 4): 0 if it failed a check;
+    for a valid problem its student solved at rate s, 1 - s, except that under --proposer_reward
+    azr (Absolute Zero's proposer reward) a problem the student never solves earns 0 too"""
+    if rate is None or (rate == 0.0 and cfg.proposer_reward == "azr"):
+        return 0.0
+    return 1.0 - rate
+
+
+def teach(cfg: Config, run, proposals: list[list], solves: list[list], meter: rloo.Meter,
+          learn: bool = True) -> list[dict | None]:
+    """Step 4: if `learn`, one RLOO update per teacher over its proposals, rewarded by
+    proposer_reward; its stats per teacher (None where none took place)."""
     stats = []
     with meter.timed("teacher_update"):
-        for i, teacher in enumerate(run.teachers):
+        for i, teacher in enumerate(run.teachers if learn else []):
             rates = iter(solves[i])
-            rewards = []
-            for _, v in proposals[i]:
-                rate = next(rates) if v is not None else None
-                rewards.append(0.0 if rate is None else 1.0 - rate)
+            rewards = [proposer_reward(cfg, next(rates) if v is not None else None)
+                       for _, v in proposals[i]]
             adv = rloo.rloo_advantages(torch.tensor(rewards, dtype=torch.float64)).tolist()
             rows = rloo.my_share([(s, a) for (s, _), a in zip(proposals[i], adv)])
-            stats.append(train(cfg, teacher, rows, meter))
-    return stats
+            stats.append(train(cfg, teacher, rows, meter, cfg.teacher_lr))
+    return stats or [None] * len(run.teachers)
 
 
-def train(cfg: Config, policy: rloo.Policy, rows: list, meter: rloo.Meter) -> dict:
-    """one rloo.train_step on this rank's (Sample, advantage) rows"""
+def train(cfg: Config, policy: rloo.Policy, rows: list, meter: rloo.Meter, lr: float) -> dict:
+    """one rloo.train_step on this rank's (Sample, advantage) rows at the role's learning rate `lr`
+    (the single agent's one adapter alternates roles, so its lr follows the role)"""
+    for group in policy.optimizer.param_groups:
+        group["lr"] = lr
+    policy.scheduler.base_lrs = [lr] * len(policy.optimizer.param_groups)   # constant schedule
     return rloo.train_step(policy, [s.prompt_token_ids for s, _ in rows],
                            [s.token_ids for s, _ in rows], [a for _, a in rows],
                            loss=rloo.rloo_loss, temperature=cfg.temperature,
@@ -355,22 +474,24 @@ def train(cfg: Config, policy: rloo.Policy, rows: list, meter: rloo.Meter) -> di
 
 
 def evolve(cfg: Config, run, rnd: int) -> dict:
-    """Step 6: in each population of 2 or more, the lowest-rated member becomes a mutated
-    crossover of the two best (--crossover, --mutation), rated at their mean, with a fresh
-    optimizer. Returns {population: [loser, best, second]}."""
+    """Step 0 of round rnd: in each population of 2 or more, the member of lowest mu becomes a
+    mutated crossover of the two best of the others (--crossover, --mutation; of 2, the best
+    mutated), rated as a newcomer (MU0, SIGMA0), with a fresh optimizer. Returns {population:
+    [loser, best, second or None]}."""
     done = {}
     for name, members, ratings in (("teachers", run.teachers, run.state["teacher_ratings"]),
                                    ("students", run.students, run.state["student_ratings"])):
-        chosen = replacement(ratings)
+        chosen = replacement([mu for mu, _ in ratings])
         if chosen is None:   # (--single_agent: populations of 1)
             continue
         loser, best, second = chosen
-        parents = [rloo.snapshot(members[best]), rloo.snapshot(members[second])]
+        child = rloo.snapshot(members[best])
         seed = launch.seed_of(cfg.seed, rnd, name, "crossover")
-        if cfg.crossover == "dare":
-            child = crossover_dare(*parents, cfg.dare_drop, seed)
-        else:
-            child = crossover_layers(*parents, seed)
+        if second is not None and cfg.crossover == "dare":
+            child = crossover_dare(child, rloo.snapshot(members[second]), cfg.dare_drop, seed,
+                                   members[best].device)
+        elif second is not None:
+            child = crossover_layers(child, rloo.snapshot(members[second]), seed)
         seed = launch.seed_of(cfg.seed, rnd, name, "mutation")
         if cfg.mutation == "svd":
             child = mutate_svd(child, cfg.mutation_sigma, seed)
@@ -380,7 +501,7 @@ def evolve(cfg: Config, run, rnd: int) -> dict:
         rloo.restore(members[loser], child)
         lr = cfg.teacher_lr if name == "teachers" else cfg.student_lr
         rloo.reset_optimizer(members[loser], lr=lr, warmup_steps=0, total_steps=None)
-        ratings[loser] = (ratings[best] + ratings[second]) / 2
+        ratings[loser] = [MU0, SIGMA0]
         done[name] = [loser, best, second]
     return done
 
@@ -412,8 +533,9 @@ def setup(cfg: Config, checker) -> Run | None:
     tok = launch.tokenizer(cfg.model)
     launch.lock_folder(cfg.out)
     ckpt, state = launch.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
-    state = state or dict(round=0, teacher_ratings=[ELO_START] * cfg.teachers,
-                          student_ratings=[ELO_START] * cfg.students)
+    newcomers = [[MU0, SIGMA0] for _ in range(cfg.teachers + cfg.students)]
+    state = state or dict(round=0, teacher_ratings=newcomers[:cfg.teachers],
+                          student_ratings=newcomers[cfg.teachers:])
     launch.restore_rows(cfg.out, ckpt, OUTPUTS)
     # the students' questions are teacher samples: at most teacher_max_tokens long
     seq_len = data.engine_len(tok, [], cfg.student_max_tokens, cfg.teacher_max_tokens)

@@ -4,6 +4,7 @@ hand-built inputs, and whole runs on the real engines (2 ranks under torchrun, t
 a run killed after a round and resumed equals an uninterrupted one; the single-agent baseline.
 """
 import json
+import math
 import os
 import random
 import subprocess
@@ -11,46 +12,119 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 import populora as pl  # noqa: E402
 from soar_runs import ROOT, kill_all, rows, torchrun, wait_for  # noqa: E402
 
-# 2 teachers, 2 students, 3 rounds, evolution after round 2
-FLAGS = ["--world", "small", "--teachers", "2", "--students", "2", "--rounds", "3",
+# 2 teachers, 2 students, 4 rounds, evolution every 2: before round 2 (of 0-3), not after round 3
+FLAGS = ["--world", "small", "--teachers", "2", "--students", "2", "--rounds", "4",
          "--proposals", "4", "--student_samples", "4", "--evolve_every", "2"]
+ROUNDS = 4
 TIMING = {"sync", "teacher_generation", "student_rollouts", "student_training", "teacher_update",
           "total"}
 
 
 # ---- ratings and matchmaking ----
-def test_elo_is_zero_sum_and_moves_by_surprise():
-    assert pl.expected(1000, 1000) == 0.5
-    assert pl.expected(1200, 1000) + pl.expected(1000, 1200) == pytest.approx(1.0)
-    t, s = pl.elo_update(1000.0, 1000.0, 1.0)         # the student solved everything
-    assert s == pytest.approx(1000 + pl.ELO_K / 2) and t + s == pytest.approx(2000)
-    t, s = pl.elo_update(1000.0, 1000.0, 0.5)         # as expected: nothing moves
-    assert (t, s) == (1000.0, 1000.0)
-    t, s = pl.elo_update(1400.0, 1000.0, 0.5)         # a weak student matching a strong teacher
-    assert s > 1000.0 and t < 1400.0
+NEWCOMER = [pl.MU0, pl.SIGMA0]
 
 
-def test_matchmaking_favours_even_matches():
-    weights = pl.pfsp_weights(1000.0, [1000.0, 1300.0, 700.0, 1600.0])
-    assert weights[0] == max(weights) == 0.25 and weights[3] == min(weights)
+def test_trueskill_moves_by_surprise_and_shrinks_the_players_sigma():
+    """a win raises the winner's mu and lowers the loser's, by sigma^2 each (the means' total is
+    kept only at equal sigmas); both sigmas shrink; an upset moves more; a draw between equals
+    moves no mu"""
+    win, loss = pl.trueskill_update(NEWCOMER, NEWCOMER)
+    assert win[0] > pl.MU0 > loss[0] and win[0] + loss[0] == pytest.approx(2 * pl.MU0)
+    assert win[1] == pytest.approx(loss[1]) and win[1] < pl.SIGMA0
+    known = [pl.MU0, 2.0]   # a member of small sigma moves less than the newcomer it beats
+    win, loss = pl.trueskill_update(known, NEWCOMER)
+    assert 0 < win[0] - pl.MU0 < pl.MU0 - loss[0]
+    assert win[0] + loss[0] < 2 * pl.MU0          # unequal sigmas: the total is not kept
+    upset = pl.trueskill_update([20.0, 3.0], [30.0, 3.0])[0][0] - 20.0
+    expected = pl.trueskill_update([30.0, 3.0], [20.0, 3.0])[0][0] - 30.0
+    assert upset > 5 * expected > 0
+    a, b = pl.trueskill_update(NEWCOMER, NEWCOMER, draw=True)
+    assert a[0] == pytest.approx(pl.MU0) and b[0] == pytest.approx(pl.MU0) and a[1] < pl.SIGMA0
+    a, b = pl.trueskill_update([30.0, 3.0], [20.0, 3.0], draw=True)
+    assert a[0] < 30.0 and b[0] > 20.0            # a draw pulls the two together
+
+
+def test_a_match_result_follows_the_solve_rate():
+    assert [pl.outcome(s) for s in (1.0, 0.6, 0.5, 0.4, 0.0)] == [1.0, 1.0, 0.5, 0.0, 0.0]
+    t, s = pl.rate_match(NEWCOMER, NEWCOMER, 1.0)   # the student won
+    assert s[0] > pl.MU0 > t[0]
+    t, s = pl.rate_match(NEWCOMER, NEWCOMER, 0.0)
+    assert t[0] > pl.MU0 > s[0]
+    # --model's agreement rule: a match with formatted problems none of which a sample agreed
+    # with (solves' None) is a draw, not a student win
+    assert pl.match_results([[None, None], [0.5, 1.0], []], [1.0, 0.75, 1.0]) == [0.5, 1.0, 1.0]
+
+
+def test_sigma_grows_for_every_member_each_round_up_to_a_newcomers():
+    """TrueSkill's dynamics: sigma^2 + TAU^2 a round, played or not, capped at SIGMA0"""
+    grown = pl.grow_sigma([30.0, 2.0])
+    assert grown == [30.0, pytest.approx(math.sqrt(4.0 + pl.TAU ** 2))]
+    rating = [30.0, 2.0]
+    for _ in range(100000):
+        rating = pl.grow_sigma(rating)
+    assert rating == [30.0, pl.SIGMA0]
+    assert pl.grow_sigma(NEWCOMER) == NEWCOMER
+
+
+def test_matchmaking_favours_even_matches_and_the_uncertain():
+    teacher = [25.0, 2.0]
+    weights = pl.pfsp_weights(teacher, [[25.0, 2.0], [35.0, 2.0], [15.0, 2.0], [45.0, 2.0]])
+    assert weights[0] == max(weights) == pytest.approx(0.25) and weights[3] == min(weights)
     assert weights[1] == pytest.approx(weights[2])   # as far above as below
-    picks = [pl.match([1000.0], [1000.0, 1600.0], random.Random(i))[0] for i in range(400)]
-    assert picks.count(0) > 3 * picks.count(1) > 0   # mostly the level student, not only it
-    assert pl.match([1000.0, 1300.0], [900.0, 1300.0], random.Random(5)) == \
-        pl.match([1000.0, 1300.0], [900.0, 1300.0], random.Random(5))   # seeded
+    sure, unsure = pl.pfsp_weights(teacher, [[35.0, 1.0], [35.0, pl.SIGMA0]])
+    assert unsure > sure                             # a stale member's p is nearer 1/2
+    picks = [pl.match([teacher, teacher], [[25.0, 2.0], [45.0, 2.0], [25.0, 2.0]],
+                      random.Random(i)) for i in range(400)]
+    drawn = [j for p in picks for j in p]
+    assert drawn.count(0) > 3 * drawn.count(1) > 0   # mostly the level students, not only them
+    students = [[25.0, 2.0], [24.0, 3.0], [26.0, 1.0]]
+    assert pl.match([teacher] * 2, students, random.Random(5)) == \
+        pl.match([teacher] * 2, students, random.Random(5))   # seeded
 
 
-def test_the_lowest_rated_is_replaced_by_the_two_best():
-    assert pl.replacement([1000.0, 1100.0, 950.0, 1050.0]) == (2, 1, 3)
-    assert pl.replacement([1000.0, 1000.0]) == (1, 0, 1)   # ties: the first ranks higher
-    assert pl.replacement([1000.0]) is None
+@pytest.mark.parametrize("teachers, students", [(4, 4), (3, 3), (6, 4), (2, 5)])
+def test_every_student_plays_each_round_when_it_can(teachers, students):
+    """equal populations: a permutation; more teachers: every student at least once and at most
+    once more than any other; fewer: no student twice"""
+    rng = random.Random(0)
+    for _ in range(200):
+        ratings = [[rng.gauss(25, 5), rng.uniform(0.5, pl.SIGMA0)] for _ in range(teachers)]
+        pool = [[rng.gauss(25, 5), rng.uniform(0.5, pl.SIGMA0)] for _ in range(students)]
+        counts = [0] * students
+        for j in pl.match(ratings, pool, rng):
+            counts[j] += 1
+        assert max(counts) - min(counts) <= 1 and sum(counts) == teachers
+
+
+def test_the_lowest_mu_is_replaced_by_the_two_best_of_the_others():
+    assert pl.replacement([25.0, 27.0, 22.0, 26.0]) == (2, 1, 3)
+    assert pl.replacement([25.0, 26.0, 24.0]) == (2, 1, 0)       # 3: three distinct members
+    assert pl.replacement([25.0, 25.0, 25.0]) == (2, 0, 1)       # ties: the first ranks higher
+    assert pl.replacement([24.0, 25.0]) == (0, 1, None)         # 2: the best alone, never the loser
+    assert pl.replacement([25.0, 25.0]) == (1, 0, None)
+    assert pl.replacement([25.0]) is None
+
+
+def test_the_proposer_reward_of_a_problem_nobody_solves():
+    """azr (the default, Absolute Zero's): 1 - s for 0 < s, 0 for s = 0 and for a failed check;
+    failure: 1 - s for every valid problem"""
+    azr = pl.parse_args([])
+    failure = pl.parse_args(["--proposer_reward", "failure"])
+    assert [pl.proposer_reward(azr, s) for s in (None, 0.0, 0.25, 1.0)] == [0.0, 0.0, 0.75, 0.0]
+    assert [pl.proposer_reward(failure, s) for s in (None, 0.0, 0.25, 1.0)] == \
+        [0.0, 1.0, 0.75, 0.0]
+
+
+def test_the_single_agent_alternates_its_one_update():
+    single = pl.parse_args(["--single_agent", "--teachers", "1", "--students", "1"])
+    assert [pl.trained_roles(single, r) for r in range(4)] == [{"students"}, {"teachers"}] * 2
+    assert pl.trained_roles(pl.parse_args([]), 3) == {"teachers", "students"}
 
 
 # ---- evolution operators ----
@@ -103,18 +177,46 @@ def test_mutation_keeps_rank_is_finite_and_seeded():
     assert 0 < ((m1[t] - a[t]).pow(2).mean() / a[t].pow(2).mean()).sqrt() < 0.2   # ~sigma of RMS
 
 
-def test_dare_merge_keeps_rank_is_seeded_and_the_mean_in_expectation():
+def update(adapter, layer):
+    return adapter[layer + ".lora_B"].double() @ adapter[layer + ".lora_A"].double()
+
+
+def test_dare_merges_the_parents_updates_and_refactors_them_to_the_rank():
+    """per layer, on B A: the child's update is the best rank-r approximation of the parents'
+    updates merged entry by entry (dropped: a's; kept: a's + (b's - a's) / (2 (1 - p)), so the
+    parents' mean update in expectation); equal parents give the parent's update; a fresh layer
+    stays zero with a trainable A"""
     a, b = adapter(0), adapter(1)
+    a["model.layers.0.mlp.up_proj.lora_B"] = torch.zeros(16, 4)   # fresh in both parents
+    b["model.layers.0.mlp.up_proj.lora_B"] = torch.zeros(16, 4)
     m1, m3 = seeded_outputs(lambda seed: pl.crossover_dare(a, b, 0.5, seed), a)
-    t = "model.layers.3.mlp.up_proj.lora_B"
-    assert not torch.equal(m1[t], m3[t])
-    # each entry is a (dropped) or b (kept, 0.5 / (1 - 0.5) of the difference): about half each
-    from_b = torch.isclose(m1[t], b[t])
-    assert torch.isclose(m1[t], a[t])[~from_b].all() and 0.3 < from_b.double().mean() < 0.7
-    mean = sum(pl.crossover_dare(a, b, 0.7, seed)[t] for seed in range(2000)) / 2000
-    assert torch.allclose(mean, (a[t] + b[t]) / 2, atol=0.2)   # expectation: the parents' mean
+    layer = "model.layers.3.mlp.up_proj"
+    assert not torch.equal(update(m1, layer), update(m3, layer))
+    # the merge, rebuilt: each entry of the update is a's (dropped) or the mean's rescale (kept)
+    g = torch.Generator().manual_seed(1)
+    kept = {}
+    for i in range(6):
+        name = f"model.layers.{i}.mlp.up_proj"
+        kept[name] = torch.rand(16, 8, generator=g) >= 0.5
+    ua, ub = update(a, layer), update(b, layer)
+    merged = ua + (ub - ua) * kept[layer] / (2 * 0.5)
+    u, s, vh = torch.linalg.svd(merged)
+    best = u[:, :4] @ torch.diag(s[:4]) @ vh[:4]   # Eckart-Young: the closest rank-4 update
+    assert torch.allclose(update(m1, layer), best, atol=1e-5)
+    assert torch.linalg.matrix_rank(update(m1, layer)) == 4
+    assert torch.allclose(m1[layer + ".lora_A"] @ m1[layer + ".lora_A"].T, torch.eye(4),
+                          atol=1e-5)   # orthonormal rows
+    # not the per-tensor merge of A and B, whose update holds the cross terms B_a A_b
+    tensors = (a[layer + ".lora_B"] + b[layer + ".lora_B"]) @ (a[layer + ".lora_A"] +
+                                                              b[layer + ".lora_A"]) / 4
+    assert not torch.allclose(update(m1, layer), tensors.double(), atol=1e-2)
+    fresh = "model.layers.0.mlp.up_proj"
+    assert torch.equal(m1[fresh + ".lora_B"], torch.zeros(16, 4))
+    assert m1[fresh + ".lora_A"].abs().sum() > 0   # B's gradient is g A^T: a zero A would stick
     same = pl.crossover_dare(a, a, 0.5, seed=7)
-    assert all(torch.equal(same[n], a[n]) for n in a)   # equal parents: the parent
+    assert all(torch.allclose(update(same, f"model.layers.{i}.mlp.up_proj"),
+                              update(a, f"model.layers.{i}.mlp.up_proj"), atol=1e-5)
+               for i in range(6))   # equal parents: the parent's update
 
 
 def test_svd_mutation_rescales_singular_values_only():
@@ -167,33 +269,94 @@ def test_a_resumed_population_run_equals_an_uninterrupted_one(runs):
     whole = rows(d / "whole" / "metrics.jsonl")
     assert without_timing(rows(d / "killed" / "metrics.jsonl")) == without_timing(whole)
     assert rows(d / "killed" / "questions.jsonl") == rows(d / "whole" / "questions.jsonl")
-    assert [r["round"] for r in whole] == [0, 1, 2]
-    assert set(whole[1]["evolved"]) == {"teachers", "students"}   # after round 2 of 3
+    assert [r["round"] for r in whole] == [0, 1, 2, 3]
+    assert [sorted(r["evolved"]) for r in whole] == [[], [], ["students", "teachers"], []]
+
+
+def updates_since_made(out, name):
+    """the optimizer steps a member of the run's last checkpoint took since it was made (its
+    AdamW schedule restarts when evolution replaces it)"""
+    state = torch.load(out / "ckpt" / f"step-{ROUNDS}" / name / "adapter.pt", weights_only=True)
+    return state["sched"]["last_epoch"]
+
+
+def test_the_evaluated_population_holds_no_untrained_child(runs):
+    """evolution happens before a round, never after the last: every member the run ends with
+    (its PEFT folders, which eval.py reads) played since it was made, and took its one update in
+    each round since (a student: each round its teacher wrote a valid problem)"""
+    d, _ = runs
+    out = d / "whole"
+    metrics = rows(out / "metrics.jsonl")
+    assert metrics[-1]["evolved"] == {}
+    made = {"t": {}, "s": {}}   # member -> the round it was made in
+    for r in metrics:
+        for population, (loser, _, _) in r["evolved"].items():
+            made[population[0]][loser] = r["round"]
+    assert made["t"] and made["s"]
+    for name in ("t0", "t1", "s0", "s1"):
+        since = metrics[made[name[0]].get(int(name[1]), 0):]
+        assert len(since) >= ROUNDS - 2
+        if name[0] == "t":
+            expected = len(since)
+        else:   # its rounds with a valid problem from a teacher it played
+            expected = sum(any(j == int(name[1]) and v > 0 for j, v in zip(r["pairs"], r["valid"]))
+                           for r in since)
+        assert updates_since_made(out, name) == expected
+        assert json.loads((out / ("teachers" if name[0] == "t" else "students") / name /
+                           "populora.json").read_text()) == {"round": ROUNDS}
+
+
+def test_ratings_replay_from_the_rows_as_documented(runs):
+    """the rows' ratings are TrueSkill's, replayed from the rows' matches: every sigma grows by TAU
+    a round (to SIGMA0 at most), each match a win, loss or draw by its score, an evolved member a
+    newcomer (MU0, SIGMA0). The means' total: 4 MU0 while every sigma is equal (round 0, all
+    newcomers), and each evolution moves it by MU0 - the loser's mu."""
+    d, _ = runs
+    metrics = rows(d / "whole" / "metrics.jsonl")
+    ratings = {"teachers": [NEWCOMER] * 2, "students": [NEWCOMER] * 2}
+    for r in metrics:
+        for population, (loser, _, _) in r["evolved"].items():
+            ratings[population][loser] = NEWCOMER
+        ratings = {k: [pl.grow_sigma(x) for x in v] for k, v in ratings.items()}
+        for i, (j, score) in enumerate(zip(r["pairs"], r["scores"])):
+            ratings["teachers"][i], ratings["students"][j] = pl.rate_match(
+                ratings["teachers"][i], ratings["students"][j], pl.outcome(score))
+        for population in ratings:
+            assert r[population[:-1] + "_ratings"] == [
+                [pytest.approx(x, abs=1e-3) for x in m] for m in ratings[population]]
+    first = metrics[0]
+    assert sorted(first["pairs"]) == [0, 1]   # equal populations: each student once
+    assert sum(m[0] for m in first["teacher_ratings"] + first["student_ratings"]) == \
+        pytest.approx(4 * pl.MU0, abs=2e-3)
 
 
 def test_outputs_are_adapters_on_one_base(runs):
     d, _ = runs
     out = d / "whole"
-    assert sorted(os.listdir(out / "ckpt" / "step-3")) == ["rows", "s0", "s1", "state.json",
-                                                           "t0", "t1"]
+    assert sorted(os.listdir(out / "ckpt" / f"step-{ROUNDS}")) == ["rows", "s0", "s1",
+                                                                   "state.json", "t0", "t1"]
     for kind, name in (("teachers", "t0"), ("teachers", "t1"), ("students", "s0"),
                        ("students", "s1")):
         folder = out / kind / name
         assert json.loads((folder / "adapter_config.json").read_text())["r"] == 8
-        assert json.loads((folder / "populora.json").read_text()) == {"round": 3}
-    first = rows(out / "metrics.jsonl")[0]   # before any evolution, matches are zero-sum
-    assert sum(first["teacher_ratings"]) + sum(first["student_ratings"]) == \
-        pytest.approx(4 * pl.ELO_START, abs=0.05)
     for q in rows(out / "questions.jsonl"):   # the world's checker passed every problem kept
         assert pl.world.describe(q["question"], q["answer"])["correct"]
 
 
-def test_the_single_agent_baseline_is_one_adapter(runs):
+def test_the_single_agent_takes_one_update_a_round_alternating_roles(runs):
+    """compute-matched per adapter (METHOD.md "PopuLoRA"): one adapter, one update a round as a
+    population member takes, as a student in even rounds and a teacher in odd"""
     d, _ = runs
     out = d / "single"
-    assert sorted(os.listdir(out / "ckpt" / "step-3")) == ["rows", "state.json", "t0"]
+    assert sorted(os.listdir(out / "ckpt" / f"step-{ROUNDS}")) == ["rows", "state.json", "t0"]
     assert (out / "students" / "s0" / "adapter_config.json").exists()   # for eval.py's row
-    assert all(r["pairs"] == [0] and r["evolved"] == {} for r in rows(out / "metrics.jsonl"))
+    metrics = rows(out / "metrics.jsonl")
+    assert all(r["pairs"] == [0] and r["evolved"] == {} for r in metrics)
+    assert [r["trained"] for r in metrics] == [["students"], ["teachers"]] * (ROUNDS // 2)
+    # one update a round (as a student only with a valid problem, as the population's students)
+    assert updates_since_made(out, "t0") == sum(r["trained"] == ["teachers"] or r["valid"][0] > 0
+                                                for r in metrics) >= ROUNDS // 2
+    assert [r["teacher_loss"][0] is None for r in metrics] == [True, False] * (ROUNDS // 2)
 
 
 def test_the_default_population_is_four_and_four():
@@ -201,6 +364,7 @@ def test_the_default_population_is_four_and_four():
     cfg = pl.parse_args([])
     assert (cfg.teachers, cfg.students) == (4, 4)
     assert (cfg.lora_rank, cfg.student_lr, cfg.teacher_lr) == (8, 3e-3, 3e-4)
+    assert cfg.proposer_reward == "azr"
 
 
 def test_with_a_model_a_problem_is_valid_when_a_student_agrees(runs, tmp_path):
@@ -220,24 +384,28 @@ def test_with_a_model_a_problem_is_valid_when_a_student_agrees(runs, tmp_path):
 
 
 def test_evolution_runs_the_operators_its_flags_name(tmp_path):
-    """--crossover dare --mutation svd in a real run: the lowest-rated student is replaced by the
-    mutated merge of the two best, as the pure functions compute it from their weights"""
+    """--crossover dare --mutation svd in a real run of 3 students: before round 1 the lowest-rated
+    is replaced by the mutated merge of the two best others, as the pure functions compute it from
+    their round-0 weights (student lr 0: round 1 leaves the child as made)"""
     p = torchrun("populora.py", tmp_path / "evolve", *FLAGS[:4], "--students", "3", "--rounds",
-                 "1", *FLAGS[8:12], "--evolve_every", "1", "--crossover", "dare", "--mutation",
-                 "svd", "--mutation_sigma", "0.5")
+                 "2", *FLAGS[8:12], "--evolve_every", "1", "--crossover", "dare", "--mutation",
+                 "svd", "--mutation_sigma", "0.5", "--student_lr", "0")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    loser, best, second = rows(tmp_path / "evolve" / "metrics.jsonl")[0]["evolved"]["students"]
+    metrics = rows(tmp_path / "evolve" / "metrics.jsonl")
+    assert metrics[0]["evolved"] == {}
+    loser, best, second = metrics[1]["evolved"]["students"]
+    assert len({loser, best, second}) == 3
+    assert metrics[0]["student_ratings"][loser][0] == min(m[0] for m in
+                                                          metrics[0]["student_ratings"])
 
-    def adapter_of(j):   # a saved PEFT folder's tensors by the adapter's own names
-        folder = tmp_path / "evolve" / "students" / f"s{j}"
-        tensors = load_file(folder / "adapter_model.safetensors")
-        return {n.removeprefix("base_model.model.").removesuffix(".weight"): t
-                for n, t in tensors.items()}
+    def adapter_at(step, j):   # a checkpoint's adapter tensors
+        path = tmp_path / "evolve" / "ckpt" / f"step-{step}" / f"s{j}" / "adapter.pt"
+        return torch.load(path, weights_only=True)["adapter"]
 
-    seed = pl.launch.seed_of(0, 0, "students", "crossover")
-    child = pl.crossover_dare(adapter_of(best), adapter_of(second), 0.5, seed)
-    child = pl.mutate_svd(child, 0.5, pl.launch.seed_of(0, 0, "students", "mutation"))
-    saved = adapter_of(loser)
+    seed = pl.launch.seed_of(0, 1, "students", "crossover")
+    child = pl.crossover_dare(adapter_at(1, best), adapter_at(1, second), 0.5, seed)
+    child = pl.mutate_svd(child, 0.5, pl.launch.seed_of(0, 1, "students", "mutation"))
+    saved = adapter_at(2, loser)
     assert all(torch.allclose(saved[n], child[n], atol=1e-6) for n in child)
 
 
