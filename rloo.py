@@ -472,13 +472,19 @@ def sync_weights(policy: Policy, llm) -> None:
             p = p.detach().to(dtype)   # cast before gathering: half the traffic to a bf16 engine
             yield name, (p.full_tensor() if isinstance(p, DTensor) else p)
 
-    it = weights()
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": it})
-    for _ in it:   # drain (should be empty) so every rank runs the same all-gathers
+    _reload_engine(llm, weights(), base_replaced=True)
+
+
+def _reload_engine(llm, weights, base_replaced: bool) -> None:
+    """Full weights, a generator of (name, tensor), into this rank's engine: requests are served by
+    them from then on. `base_replaced`: they are not the engine's base, so serve_adapter puts the
+    base back before an adapter is served on it."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    for _ in weights:   # drain (should be empty) so every rank runs the same all-gathers
         pass
     llm.reset_prefix_cache()
     llm.adapter = None   # requests are served by these weights
-    llm.base_replaced = True
+    llm.base_replaced = base_replaced
 
 
 def serve_hf(llm, path: str) -> None:
@@ -511,10 +517,8 @@ def serve_hf(llm, path: str) -> None:
         if not head and embedding is not None:
             yield "lm_head.weight", embedding
 
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
-    llm.reset_prefix_cache()
-    llm.adapter = None
-    llm.base_replaced = os.path.realpath(path) != os.path.realpath(llm.base_path)
+    _reload_engine(llm, weights(),
+                   base_replaced=os.path.realpath(path) != os.path.realpath(llm.base_path))
 
 
 # -----------------------------------------------------------------------------
