@@ -1,7 +1,7 @@
 """What a launched script needs around the method (soar.py, eval.py): its flags, its exit, one run
 per folder, sharded checkpoints that a resume checks and falls back from, the rows files rewritten
-from them, seeds, the step's counts, and W&B. The RL engine itself is rloo.py; the text side is
-data.py.
+from them, seeds, the step's counts, W&B, and SOAR's run (its settings check, models and saving).
+The RL engine itself is rloo.py; the text side is data.py.
 """
 import argparse
 import atexit
@@ -24,6 +24,9 @@ import zlib
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import init_device_mesh
+from tqdm import tqdm
+from transformers import AutoConfig
 
 import data
 import rloo
@@ -530,4 +533,308 @@ def wandb_records(path: str):
             yield rec
             part = b""
 
+
+
+
+# -----------------------------------------------------------------------------
+# SOAR's run (soar.py): what makes it start, resume and leave outputs. soar.py calls start(), then
+# for each outer step steps() and commit(), then finish(); the method reads the SoarRun's fields.
+
+SOAR_OUTPUTS = ("metrics.jsonl", "pq.jsonl", "questions.jsonl")   # the rows a step commits
+# settings a resumed run may change without invalidating its checkpoint
+SOAR_MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpointing",
+                   "prompt_pass", "gpu_memory_utilization", "save_every", "verbose", "wandb",
+                   "wandb_name"}
+
+
+@dataclasses.dataclass
+class SoarRun:
+    mesh: object                # 2-D ("group", "fsdp") device mesh: G student groups x W/G ranks
+    tok: object
+    llm: object                 # this rank's engine
+    teacher: rloo.Policy
+    student: rloo.Policy        # this group's student: theta, and the first of each wave
+    wave: list                  # the policies of the students a group trains at once: [student];
+                                # with LoRA, an adapter for each of the group's students
+    theta: dict                 # the baseline student's shards (rloo.snapshot)
+    hard: list                  # the hard train split
+    state: dict                 # what a checkpoint holds besides the weights
+    n_params: int
+    wandb: dict                 # rank 0 with --wandb: the W&B run (track); else empty
+    meter: rloo.Meter = dataclasses.field(default_factory=rloo.Meter)   # this step's phases
+    step_start: tuple = ()      # (time, data.grading_faults()) at this step's start (steps)
+
+
+def start(cfg, trains_students: bool) -> SoarRun | None:
+    """The run folder (locked, settings checked), the checkpoint to resume from, W&B, then the
+    models (load_models): a SoarRun, or None if the run is finished (its HF folders written)"""
+    _, world_size, device = rloo.init_distributed()
+    tok = tokenizer(cfg.model)
+    if not cfg.train:
+        raise UsageError("--train is required with --model: the hard train split "
+                         "(jsonl/parquet, question/answer)")
+    hard, seq_len = open_folder(cfg, tok, world_size, trains_students)
+    ckpt, state = resume(cfg.out, dataclasses.asdict(cfg), SOAR_MAY_CHANGE)
+    state = state or dict(step=0, history=[], promotions=0, pq=0, archive=[])
+    restore_rows(cfg.out, ckpt, SOAR_OUTPUTS)   # the files hold exactly the committed steps
+    wb = {}   # rank 0 with --wandb: the W&B run and the first step it does not hold
+    if cfg.wandb:   # its error (no login) ends every rank
+        rloo.on_rank0(track, wb, cfg.out, cfg.wandb, cfg.wandb_name, dataclasses.asdict(cfg),
+                      state)
+    if state["step"] >= cfg.outer_steps and not rloo.on_rank0(hf_behind, cfg.out, state):
+        rloo.print0(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
+        return None
+    run = load_models(cfg, device, world_size, tok, seq_len, hard, ckpt, state, wb)
+    if state["step"] >= cfg.outer_steps:   # finished, killed while writing teacher/, student/
+        save_soar_folders(cfg, run)
+        return None
+    return run
+
+
+def steps(cfg, run: SoarRun):
+    """The outer steps still to run, behind a progress bar (rank 0); each starts a fresh meter"""
+    first = run.state["step"]
+    for step in tqdm(range(first, cfg.outer_steps), initial=first, total=cfg.outer_steps,
+                     disable=not rloo.rank0(), desc="SOAR", dynamic_ncols=True):
+        run.meter = rloo.Meter()
+        run.step_start = (time.perf_counter(), data.grading_faults())
+        yield step
+
+
+def commit(cfg, run: SoarRun, rows: dict, promoted: bool, line) -> None:
+    """The step's end: its metrics row gains the step's seconds by phase and its throughput; then
+    nothing in --out gets ahead of the checkpoint: first the checkpoint, which commits the step
+    with its rows (the SOAR_OUTPUTS files are then rewritten from it); then W&B's copy of the
+    metrics row (--wandb); then, every save_every steps and at the end, the HF folders teacher/
+    and student/. Last, line(metrics row) on the console."""
+    t0, faults_before = run.step_start
+    (row,) = rows["metrics.jsonl"]
+    row.update({k: round(v, 3) for k, v in run.meter.seconds.items()})
+    row["total"] = round(time.perf_counter() - t0, 3)
+    row.update(soar_throughput(cfg, run, faults_before))
+    state = run.state
+    rloo.restore(run.student, run.theta)   # checkpoint and outputs hold theta, not the last student
+    save_checkpoint(cfg.out, state["step"],
+                    {"teacher": (run.teacher, True), "student": (run.student, False)},
+                    {**state, "config": dataclasses.asdict(cfg)},
+                    unchanged=() if promoted else ("student",), rows=rows)
+    if run.wandb:
+        log_rows(run.wandb, rows["metrics.jsonl"])
+    if state["step"] % cfg.save_every == 0 or state["step"] >= cfg.outer_steps:
+        save_soar_folders(cfg, run)
+    if rloo.rank0():
+        tqdm.write(line(row))
+
+
+def finish(cfg, run: SoarRun) -> None:
+    """the run's last line, and W&B's run closed"""
+    rloo.print0(f"done: {cfg.out}/metrics.jsonl, {cfg.out}/pq.jsonl ({run.state['pq']} promotion "
+                f"questions), {cfg.out}/teacher, {cfg.out}/student")
+    if run.wandb:
+        run.wandb["run"].finish()
+
+
+def soar_throughput(cfg, run: SoarRun, faults_before: dict) -> dict:
+    """The step's counts and speeds (throughput); a trained token costs 6N FLOP, 8N with the KL
+    reference's forward (attention and recomputation left out); with LoRA 4N and 6N (the frozen
+    base gets no weight gradients; the adapters' FLOPs left out)."""
+    flops_per_token = (4 if cfg.lora_rank else 6) + 2 * (cfg.kl_coef > 0)
+    return throughput(run.meter, faults_before, flops_per_token * run.n_params)
+
+
+def save_soar_folders(cfg, run: SoarRun) -> None:
+    """teacher/ and (when theta changed since it was written) student/, HF folders with soar.json
+    saying what they hold; the student's weights must be theta"""
+    state = run.state
+    tag = {"step": state["step"], "promotions": state["promotions"]}
+    rloo.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok, state["step"],
+                 {"soar.json": tag})
+    if rloo.on_rank0(hf_behind, cfg.out, state, ("student",)):
+        rloo.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok, state["step"],
+                     {"soar.json": tag})
+
+
+def student_groups(cfg, world_size: int) -> int:
+    """G: --student_groups, or the most groups that divide the ranks and have a student each"""
+    return cfg.student_groups or max((d for d in range(1, world_size + 1) if world_size % d == 0
+                                      and d <= cfg.num_datasets * cfg.students), default=1)
+
+
+def memory(cfg, world_size: int, gpu_gib: float, config) -> dict[str, float]:
+    """GiB per rank of this layout on GPUs of gpu_gib (rloo.memory_per_rank): the teacher sharded
+    over all ranks, a student over its group's; with LoRA the teacher's adapter and a wave's"""
+    G = student_groups(cfg, world_size)
+    return rloo.memory_per_rank(config, gpu_gib=gpu_gib, engine_share=cfg.gpu_memory_utilization,
+                                policy_ranks=[world_size, world_size // G],
+                                lora_rank=cfg.lora_rank,
+                                adapters=1 + -(-cfg.num_datasets * cfg.students // G),
+                                kl=cfg.kl_coef > 0, micro_batch_tokens=cfg.micro_batch_tokens,
+                                activation_checkpointing=cfg.activation_checkpointing)
+
+
+def memory_problem(cfg, world_size: int, gpu_gib: float, config,
+                   seq_len: int) -> str | None:
+    """If the layout does not fit GPUs of gpu_gib (memory): one line with its figures and the
+    changes of one flag each that would make it fit (the first that fits of each flag)."""
+    need = memory(cfg, world_size, gpu_gib, config)
+    if need["total"] <= gpu_gib:
+        return None
+    G = student_groups(cfg, world_size)
+    weights = 2 * rloo.parameter_counts(config)[0] / rloo.GIB   # bf16, in the engine
+    others = need["total"] - need["engine"]
+    share = int((gpu_gib - others) / gpu_gib * 20) / 20   # down to a multiple of 0.05
+    candidates = {
+        "student_groups": [d for d in range(G - 1, 0, -1) if world_size % d == 0],
+        "lora_rank": [] if cfg.lora_rank else [32],
+        "micro_batch_tokens": [t for t in (cfg.micro_batch_tokens // 2 ** k for k in range(1, 5))
+                               if t >= seq_len],
+        # the engine needs its bf16 weights and as much again for its KV cache, at least
+        "gpu_memory_utilization": [share] if share * gpu_gib > 2 * weights else []}
+    fixes = []
+    for name, values in candidates.items():
+        for v in values:
+            if memory(dataclasses.replace(cfg, **{name: v}), world_size, gpu_gib,
+                      config)["total"] <= gpu_gib:
+                fixes.append(f"--{name} {v}")
+                break
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in need.items() if k != "total")
+    return (f"the layout needs ~{need['total']:.0f} GiB per rank of a {gpu_gib:.0f} GiB GPU "
+            f"({parts}; rloo.memory_per_rank): "
+            + ("it fits with " + " or ".join(fixes) if fixes else
+               "no one flag makes it fit: more GPUs, or a smaller model"))
+
+
+def check_settings(cfg, world_size: int, n_hard: int, seq_len: int, trains_students: bool,
+                   gpu_gib: float | None = None) -> list[str]:
+    """What in the settings cannot work, each naming its flag (layout: METHOD.md "Scale layout");
+    the least value of each count is its field's (flag). On GPUs of gpu_gib, also a layout
+    that does not fit (memory_problem)."""
+    students = cfg.num_datasets * cfg.students
+    G = student_groups(cfg, world_size)
+    checks = [
+        (cfg.num_datasets < 2, f"--num_datasets {cfg.num_datasets}: RLOO over datasets "
+                               "needs g >= 2"),
+        (trains_students and cfg.students < 1,
+         f"--students {cfg.students}: need r >= 1 per dataset"),
+        (not 1 <= cfg.qr_size <= n_hard, f"--qr_size {cfg.qr_size}: each step samples "
+                                         f"M={cfg.qr_size} questions from {cfg.train}, "
+                                         f"which has {n_hard}"),
+        (cfg.student_samples < 2, f"--student_samples {cfg.student_samples}: RLOO needs at least 2 "
+                                  "per question"),
+        (cfg.temperature <= 0, f"--temperature {cfg.temperature}: training needs T > 0"),
+        (0 < students < G, f"--student_groups {G}: more groups than the g*r = {students} students"),
+        (world_size % G, f"--student_groups {G} does not divide the {world_size} ranks"),
+        (cfg.micro_batch_tokens < seq_len, f"--micro_batch_tokens {cfg.micro_batch_tokens} is less "
+                                           "than one sequence (prompt + completion: "
+                                           f"up to {seq_len} tokens)"),
+    ]
+    found = too_small(cfg) + [msg for bad, msg in checks if bad]
+    if gpu_gib and not found:
+        config = AutoConfig.from_pretrained(cfg.model)
+        found += [msg for msg in [memory_problem(cfg, world_size, gpu_gib, config, seq_len)] if msg]
+    return found
+
+
+def open_folder(cfg, tok, world_size: int, trains_students: bool) -> tuple[list[dict], int]:
+    """Lock --out (one run per folder), read the hard train split, check the settings (a folder
+    made here is removed again if they cannot work). Returns the split and the engines' context."""
+    made = not os.path.exists(cfg.out)
+    lock_folder(cfg.out)   # a second run on the folder is refused at once
+    hard = problems(cfg.train)   # one list: rank 0 drops what times out
+    seq_len = data.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
+                              cfg.teacher_max_tokens)
+    gpu = torch.cuda.is_available()
+    gpu_gib = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+               / rloo.GIB if gpu else None)
+    bad = check_settings(cfg, world_size, len(hard), seq_len, trains_students, gpu_gib)
+    if bad:
+        if made and rloo.rank0():
+            shutil.rmtree(cfg.out)
+        raise UsageError("these settings cannot work:\n  " + "\n  ".join(bad))
+    return hard, seq_len
+
+
+def load_models(cfg, device, world_size: int, tok, seq_len: int, hard: list, ckpt,
+                state: dict, wb: dict) -> SoarRun:
+    """The meshes, the engine, the teacher (sharded over all ranks) and this group's student, from
+    the checkpoint when there is one; theta is the student's weights."""
+    G = student_groups(cfg, world_size)
+    mesh = init_device_mesh(device.type, (G, world_size // G), mesh_dim_names=("group", "fsdp"))
+    teacher_mesh = init_device_mesh(device.type, (world_size,))
+    # with LoRA a group trains all its students at once (the most students a group has)
+    wave = max(1, -(-cfg.num_datasets * cfg.students // G)) if cfg.lora_rank else 1
+    seqs = step_sequences(cfg, world_size, G, wave)
+    llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len, verbose=cfg.verbose,
+                            gpu_memory_utilization=cfg.gpu_memory_utilization,
+                            lora_rank=cfg.lora_rank, max_loras=wave + 1,   # + the teacher
+                            **rloo.step_engine_args(seqs, seq_len - cfg.student_max_tokens))
+    if device.type == "cuda":   # (on CPU, a fixed rloo.CPU_KVCACHE_GIB)
+        rloo.print0(kv_line(rloo.kv_capacity(llm), seqs, seq_len))
+    lora = dict(lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, prompts=cfg.prompt_pass,
+                activation_checkpointing=cfg.activation_checkpointing, kl_coef=cfg.kl_coef)
+    teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr,
+                               total_steps=cfg.outer_steps, warmup_steps=cfg.teacher_warmup,
+                               seed=seed_of(cfg.seed, "adapter", "teacher"), **lora)
+    # with LoRA, the student's adapter goes on the teacher's base: one base per rank
+    student = rloo.load_policy(cfg.model, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0,
+                               total_steps=1, base=teacher.model if cfg.lora_rank else None,
+                               seed=seed_of(cfg.seed, "adapter", "student"), **lora)
+    # the wave's other adapters, on the same base (each restored to theta before it trains)
+    others = [rloo.load_policy(cfg.model, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0,
+                               total_steps=1, base=teacher.model, seed=0, **lora)
+              for _ in range(wave - 1)]
+    if ckpt:
+        rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
+        rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta
+    n_params = sum(p.numel() for p in teacher.model.parameters())
+    n_trained = sum(p.numel() for p in rloo.trainable(teacher).values())
+    announce(cfg, world_size, G, n_params, n_trained, teacher.save_dtype.itemsize, bool(ckpt),
+             state["step"])
+    return SoarRun(mesh, tok, llm, teacher, student, [student] + others, rloo.snapshot(student),
+                   hard, state, n_params, wb)
+
+
+def step_sequences(cfg, world_size: int, G: int, wave: int) -> int:
+    """the sequences one inner step puts on a rank's engine: its group's wave of students, each
+    student_questions x student_samples rollouts, split over the group's ranks"""
+    return -(-wave * cfg.student_questions * cfg.student_samples // (world_size // G))
+
+
+def kv_line(capacity: int, seqs: int, seq_len: int) -> str:
+    """the engine's KV cache beside what one inner step needs on a rank, a warning if it is short
+    (vLLM then preempts rollouts and computes them again)"""
+    need = seqs * seq_len
+    line = (f"engine: KV cache {capacity} tokens per rank; an inner step needs up to {need} "
+            f"({seqs} rollouts x {seq_len} tokens)")
+    if capacity < need:
+        line += (f"; warning: {need / max(capacity, 1):.1f}x the cache, so rollouts will be "
+                 "preempted and recomputed: raise --gpu_memory_utilization, or spread a student "
+                 "over more ranks (fewer --student_groups)")
+    return line
+
+
+def announce(cfg, world_size: int, G: int, n_params: int, n_trained: int,
+             save_bytes: int, resuming: bool, step: int) -> None:
+    """(rank 0) the layout and what a step writes; a warning if the disk cannot hold two
+    checkpoints"""
+    def size(n_bytes):
+        return readable(n_bytes, BYTES)
+    if cfg.lora_rank:
+        trained = f"LoRA rank {cfg.lora_rank} adapters of {readable(n_trained)} parameters"
+        what = "adapter"
+        folders = f"PEFT adapter folders {size(4 * n_trained)} each"
+    else:
+        trained = "full fine-tuning"
+        what = "weights"
+        folders = f"HF folders {size(n_params * save_bytes)} each"
+    rloo.print0(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model "
+                f"{cfg.model} ({readable(n_params)} parameters), {trained}; out {cfg.out}; "
+                f"{'resuming at' if resuming else 'starting at'} step {step} of "
+                f"{cfg.outer_steps}\nwritten per step: checkpoint {size(12 * n_trained)} "
+                f"(the teacher's fp32 {what} + AdamW; the student's {size(4 * n_trained)} of "
+                f"{what} only after a promotion), {folders} every {cfg.save_every} steps")
+    free = shutil.disk_usage(cfg.out).free
+    if rloo.rank0() and free < 32 * n_trained:
+        print(f"soar.py: warning: {size(free)} free in {cfg.out}, less than two checkpoints "
+              f"({size(32 * n_trained)}): a save may fail", file=sys.stderr)
 

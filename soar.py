@@ -21,17 +21,10 @@ teacher/ and student/ (HF folders of the current teacher and baseline student), 
 with --wandb PROJECT, wandb/ (W&B's files) and wandb.json (the W&B run's id).
 """
 import dataclasses
-import os
 import random
-import shutil
-import sys
-import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from tqdm import tqdm
-from transformers import AutoConfig
 
 import data
 import launch
@@ -121,10 +114,6 @@ class Config:
 TEACHER_FILTER = ("the format filter at step {step}: the teacher no longer writes valid "
                   "question-answer pairs in the format of data.TEACHER_PROMPT (raise "
                   "--max_rejection_rounds or check the model)")
-OUTPUTS = ("metrics.jsonl", "pq.jsonl", "questions.jsonl")   # the rows a step commits (commit_step)
-# settings a resumed run may change without invalidating its checkpoint
-MAY_CHANGE = {"outer_steps", "out", "micro_batch_tokens", "activation_checkpointing", "prompt_pass",
-              "gpu_memory_utilization", "save_every", "verbose", "wandb", "wandb_name"}
 
 
 def parse_args(argv=None) -> Config:
@@ -222,19 +211,14 @@ class Step:
 
 def main(cfg: Config):
     cfg = world.resolve(cfg)   # without --model: the built-in world's model and hard set (cached)
-    run = setup(cfg)           # ranks, meshes, engine, teacher, student, theta; None if finished
+    teacher_reward = TEACHER_REWARDS[cfg.reward]
+    # the harness (launch.py): ranks, meshes, engine, teacher, student, theta, from the checkpoint
+    # when there is one; None if the run is finished
+    run = launch.start(cfg, teacher_reward.trains_students)
     if run is None:
         return
-    if run.state["step"] >= cfg.outer_steps:   # finished, killed while writing teacher/, student/
-        return save_hf(cfg, run, run.state)
     state = run.state
-    first_step = state["step"]
-    bar = tqdm(range(first_step, cfg.outer_steps), initial=first_step, total=cfg.outer_steps,
-               disable=not rloo.rank0(), desc="SOAR", dynamic_ncols=True)
-    for step in bar:
-        run.meter = rloo.Meter()   # this step's seconds and tokens, by phase
-        faults = data.grading_faults()
-        t_step = time.perf_counter()
+    for step in launch.steps(cfg, run):
         S = inner_steps(cfg, state["promotions"])   # this step's inner loop (a promotion: next's)
         # 1-2. the teacher samples g*n valid pairs (by rejection), split in order into X_1..X_g
         kept, sampled = teacher_samples(cfg, run, step)
@@ -244,7 +228,6 @@ def main(cfg: Config):
         acc0 = baseline_accuracy(cfg, run, q_r)
         # 5. the g x r table R: grounded, R_kj = Acc(a student trained on X_k from theta) - Acc0;
         # the intrinsic baselines, one column: X_k's mean reward (TEACHER_REWARDS)
-        teacher_reward = TEACHER_REWARDS[cfg.reward]
         measured, snaps, held = measure(cfg, run, Step(step, datasets, q_r, acc0),
                                         teacher_reward.trains_students)
         R = [teacher_reward.score(m) for m in measured]
@@ -267,19 +250,13 @@ def main(cfg: Config):
                    promoted_j=chosen[1] if chosen else None, promotions=state["promotions"],
                    inner_steps=S,
                    teacher_valid_rate=len(kept) / sampled, teacher_samples=sampled,
-                   teacher_loss=stats["loss"], teacher_kl=stats["kl"], snapshots=held,
-                   **{k: round(v, 3) for k, v in run.meter.seconds.items()},
-                   total=round(time.perf_counter() - t_step, 3))
-        row.update(throughput(cfg, run, faults))
+                   teacher_loss=stats["loss"], teacher_kl=stats["kl"], snapshots=held)
         pq_rows, q_rows = question_rows(step, datasets, R_k, chosen)
-        commit_step(cfg, run, state, {"metrics.jsonl": [row], "pq.jsonl": pq_rows,
-                                      "questions.jsonl": q_rows}, promoted=bool(chosen))
-        if rloo.rank0():
-            bar.write(console_line(row, cfg.outer_steps))
-    rloo.print0(f"done: {cfg.out}/metrics.jsonl, {cfg.out}/pq.jsonl ({state['pq']} promotion "
-                f"questions), {cfg.out}/teacher, {cfg.out}/student")
-    if run.wandb:
-        run.wandb["run"].finish()
+        # the harness: checkpoint (the step's commit), rows, W&B, HF folders, the console line
+        launch.commit(cfg, run, {"metrics.jsonl": [row], "pq.jsonl": pq_rows,
+                                 "questions.jsonl": q_rows}, promoted=bool(chosen),
+                      line=lambda row: console_line(row, cfg.outer_steps))
+    launch.finish(cfg, run)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,268 +511,6 @@ def novelty(questions: list[str], archive: list[str]) -> list[float]:
 TEACHER_REWARDS = {"grounded": TeacherReward(grounded, trains_students=True),
                    "learnability": TeacherReward(learnability_reward, trains_students=False),
                    "opensir": TeacherReward(opensir_reward, trains_students=False)}
-
-
-# ---------------------------------------------------------------------------------------------
-# set-up and saving: not the method, but what makes a run start, resume and leave outputs
-
-@dataclasses.dataclass
-class Run:
-    mesh: object                # 2-D ("group", "fsdp") device mesh: G student groups x W/G ranks
-    tok: object
-    llm: object                 # this rank's engine
-    teacher: rloo.Policy
-    student: rloo.Policy        # this group's student: theta, and the first of each wave
-    wave: list                  # the policies of the students a group trains at once: [student];
-                                # with LoRA, an adapter for each of the group's students
-    theta: dict                 # the baseline student's shards (rloo.snapshot)
-    hard: list                  # the hard train split
-    state: dict                 # what a checkpoint holds besides the weights
-    n_params: int
-    wandb: dict                 # rank 0 with --wandb: the W&B run (launch.track); else empty
-    meter: rloo.Meter = dataclasses.field(default_factory=rloo.Meter)   # this step's phases
-
-
-def student_groups(cfg: Config, world_size: int) -> int:
-    """G: --student_groups, or the most groups that divide the ranks and have a student each"""
-    return cfg.student_groups or max((d for d in range(1, world_size + 1) if world_size % d == 0
-                                      and d <= cfg.num_datasets * cfg.students), default=1)
-
-
-def memory(cfg: Config, world_size: int, gpu_gib: float, config) -> dict[str, float]:
-    """GiB per rank of this layout on GPUs of gpu_gib (rloo.memory_per_rank): the teacher sharded
-    over all ranks, a student over its group's; with LoRA the teacher's adapter and a wave's"""
-    G = student_groups(cfg, world_size)
-    return rloo.memory_per_rank(config, gpu_gib=gpu_gib, engine_share=cfg.gpu_memory_utilization,
-                                policy_ranks=[world_size, world_size // G],
-                                lora_rank=cfg.lora_rank,
-                                adapters=1 + -(-cfg.num_datasets * cfg.students // G),
-                                kl=cfg.kl_coef > 0, micro_batch_tokens=cfg.micro_batch_tokens,
-                                activation_checkpointing=cfg.activation_checkpointing)
-
-
-def memory_problem(cfg: Config, world_size: int, gpu_gib: float, config,
-                   seq_len: int) -> str | None:
-    """If the layout does not fit GPUs of gpu_gib (memory): one line with its figures and the
-    changes of one flag each that would make it fit (the first that fits of each flag)."""
-    need = memory(cfg, world_size, gpu_gib, config)
-    if need["total"] <= gpu_gib:
-        return None
-    G = student_groups(cfg, world_size)
-    weights = 2 * rloo.parameter_counts(config)[0] / rloo.GIB   # bf16, in the engine
-    others = need["total"] - need["engine"]
-    share = int((gpu_gib - others) / gpu_gib * 20) / 20   # down to a multiple of 0.05
-    candidates = {
-        "student_groups": [d for d in range(G - 1, 0, -1) if world_size % d == 0],
-        "lora_rank": [] if cfg.lora_rank else [32],
-        "micro_batch_tokens": [t for t in (cfg.micro_batch_tokens // 2 ** k for k in range(1, 5))
-                               if t >= seq_len],
-        # the engine needs its bf16 weights and as much again for its KV cache, at least
-        "gpu_memory_utilization": [share] if share * gpu_gib > 2 * weights else []}
-    fixes = []
-    for name, values in candidates.items():
-        for v in values:
-            if memory(dataclasses.replace(cfg, **{name: v}), world_size, gpu_gib,
-                      config)["total"] <= gpu_gib:
-                fixes.append(f"--{name} {v}")
-                break
-    parts = ", ".join(f"{k} {v:.1f}" for k, v in need.items() if k != "total")
-    return (f"the layout needs ~{need['total']:.0f} GiB per rank of a {gpu_gib:.0f} GiB GPU "
-            f"({parts}; rloo.memory_per_rank): "
-            + ("it fits with " + " or ".join(fixes) if fixes else
-               "no one flag makes it fit: more GPUs, or a smaller model"))
-
-
-def check(cfg: Config, world_size: int, n_hard: int, seq_len: int,
-          gpu_gib: float | None = None) -> list[str]:
-    """What in the settings cannot work, each naming its flag (layout: METHOD.md "Scale layout");
-    the least value of each count is its field's (launch.flag). On GPUs of gpu_gib, also a layout
-    that does not fit (memory_problem)."""
-    students = cfg.num_datasets * cfg.students
-    G = student_groups(cfg, world_size)
-    checks = [
-        (cfg.num_datasets < 2, f"--num_datasets {cfg.num_datasets}: RLOO over datasets "
-                               "needs g >= 2"),
-        (TEACHER_REWARDS[cfg.reward].trains_students and cfg.students < 1,
-         f"--students {cfg.students}: need r >= 1 per dataset"),
-        (not 1 <= cfg.qr_size <= n_hard, f"--qr_size {cfg.qr_size}: each step samples "
-                                         f"M={cfg.qr_size} questions from {cfg.train}, "
-                                         f"which has {n_hard}"),
-        (cfg.student_samples < 2, f"--student_samples {cfg.student_samples}: RLOO needs at least 2 "
-                                  "per question"),
-        (cfg.temperature <= 0, f"--temperature {cfg.temperature}: training needs T > 0"),
-        (0 < students < G, f"--student_groups {G}: more groups than the g*r = {students} students"),
-        (world_size % G, f"--student_groups {G} does not divide the {world_size} ranks"),
-        (cfg.micro_batch_tokens < seq_len, f"--micro_batch_tokens {cfg.micro_batch_tokens} is less "
-                                           "than one sequence (prompt + completion: "
-                                           f"up to {seq_len} tokens)"),
-    ]
-    problems = launch.too_small(cfg) + [msg for bad, msg in checks if bad]
-    if gpu_gib and not problems:
-        config = AutoConfig.from_pretrained(cfg.model)
-        problems += [msg for msg in [memory_problem(cfg, world_size, gpu_gib, config, seq_len)]
-                     if msg]
-    return problems
-
-
-def setup(cfg: Config) -> Run | None:
-    """The run folder, then (unless the run is finished) the models: a Run, or None"""
-    _, world_size, device = rloo.init_distributed()
-    tok = launch.tokenizer(cfg.model)
-    if not cfg.train:
-        raise launch.UsageError("--train is required with --model: the hard train split "
-                                "(jsonl/parquet, question/answer)")
-    hard, seq_len = open_folder(cfg, tok, world_size)
-    ckpt, state = launch.resume(cfg.out, dataclasses.asdict(cfg), MAY_CHANGE)
-    state = state or dict(step=0, history=[], promotions=0, pq=0, archive=[])
-    launch.restore_rows(cfg.out, ckpt, OUTPUTS)   # the files hold exactly the committed steps
-    wb = {}   # rank 0 with --wandb: the W&B run and the first step it does not hold
-    if cfg.wandb:   # its error (no login) ends every rank
-        rloo.on_rank0(launch.track, wb, cfg.out, cfg.wandb, cfg.wandb_name,
-                      dataclasses.asdict(cfg), state)
-    if state["step"] >= cfg.outer_steps and not rloo.on_rank0(launch.hf_behind, cfg.out, state):
-        rloo.print0(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
-        return None
-    return load_models(cfg, device, world_size, tok, seq_len, hard, ckpt, state, wb)
-
-
-def open_folder(cfg: Config, tok, world_size: int) -> tuple[list[dict], int]:
-    """Lock --out (one run per folder), read the hard train split, check the settings (a folder
-    made here is removed again if they cannot work). Returns the split and the engines' context."""
-    made = not os.path.exists(cfg.out)
-    launch.lock_folder(cfg.out)   # a second run on the folder is refused at once
-    hard = launch.problems(cfg.train)   # one list: rank 0 drops what times out
-    seq_len = data.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
-                              cfg.teacher_max_tokens)
-    gpu = torch.cuda.is_available()
-    gpu_gib = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-               / rloo.GIB if gpu else None)
-    problems = check(cfg, world_size, len(hard), seq_len, gpu_gib)
-    if problems:
-        if made and rloo.rank0():
-            shutil.rmtree(cfg.out)
-        raise launch.UsageError("these settings cannot work:\n  " + "\n  ".join(problems))
-    return hard, seq_len
-
-
-def load_models(cfg: Config, device, world_size: int, tok, seq_len: int, hard: list, ckpt,
-                state: dict, wb: dict) -> Run:
-    """The meshes, the engine, the teacher (sharded over all ranks) and this group's student, from
-    the checkpoint when there is one; theta is the student's weights."""
-    G = student_groups(cfg, world_size)
-    mesh = init_device_mesh(device.type, (G, world_size // G), mesh_dim_names=("group", "fsdp"))
-    teacher_mesh = init_device_mesh(device.type, (world_size,))
-    # with LoRA a group trains all its students at once (the most students a group has)
-    wave = max(1, -(-cfg.num_datasets * cfg.students // G)) if cfg.lora_rank else 1
-    seqs = step_sequences(cfg, world_size, G, wave)
-    llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len, verbose=cfg.verbose,
-                            gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            lora_rank=cfg.lora_rank, max_loras=wave + 1,   # + the teacher
-                            **rloo.step_engine_args(seqs, seq_len - cfg.student_max_tokens))
-    if device.type == "cuda":   # (on CPU, a fixed rloo.CPU_KVCACHE_GIB)
-        rloo.print0(kv_line(rloo.kv_capacity(llm), seqs, seq_len))
-    lora = dict(lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, prompts=cfg.prompt_pass,
-                activation_checkpointing=cfg.activation_checkpointing, kl_coef=cfg.kl_coef)
-    teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr,
-                               total_steps=cfg.outer_steps, warmup_steps=cfg.teacher_warmup,
-                               seed=launch.seed_of(cfg.seed, "adapter", "teacher"), **lora)
-    # with LoRA, the student's adapter goes on the teacher's base: one base per rank
-    student = rloo.load_policy(cfg.model, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0,
-                               total_steps=1, base=teacher.model if cfg.lora_rank else None,
-                               seed=launch.seed_of(cfg.seed, "adapter", "student"), **lora)
-    # the wave's other adapters, on the same base (each restored to theta before it trains)
-    others = [rloo.load_policy(cfg.model, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0,
-                               total_steps=1, base=teacher.model, seed=0, **lora)
-              for _ in range(wave - 1)]
-    if ckpt:
-        rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
-        rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta
-    n_params = sum(p.numel() for p in teacher.model.parameters())
-    n_trained = sum(p.numel() for p in rloo.trainable(teacher).values())
-    announce(cfg, world_size, G, n_params, n_trained, teacher.save_dtype.itemsize, bool(ckpt),
-             state["step"])
-    return Run(mesh, tok, llm, teacher, student, [student] + others, rloo.snapshot(student), hard,
-               state, n_params, wb)
-
-
-def step_sequences(cfg: Config, world_size: int, G: int, wave: int) -> int:
-    """the sequences one inner step puts on a rank's engine: its group's wave of students, each
-    student_questions x student_samples rollouts, split over the group's ranks"""
-    return -(-wave * cfg.student_questions * cfg.student_samples // (world_size // G))
-
-
-def kv_line(capacity: int, seqs: int, seq_len: int) -> str:
-    """the engine's KV cache beside what one inner step needs on a rank, a warning if it is short
-    (vLLM then preempts rollouts and computes them again)"""
-    need = seqs * seq_len
-    line = (f"engine: KV cache {capacity} tokens per rank; an inner step needs up to {need} "
-            f"({seqs} rollouts x {seq_len} tokens)")
-    if capacity < need:
-        line += (f"; warning: {need / max(capacity, 1):.1f}x the cache, so rollouts will be "
-                 "preempted and recomputed: raise --gpu_memory_utilization, or spread a student "
-                 "over more ranks (fewer --student_groups)")
-    return line
-
-
-def announce(cfg: Config, world_size: int, G: int, n_params: int, n_trained: int,
-             save_bytes: int, resuming: bool, step: int) -> None:
-    """(rank 0) the layout and what a step writes; a warning if the disk cannot hold two
-    checkpoints"""
-    def size(n_bytes):
-        return launch.readable(n_bytes, launch.BYTES)
-    if cfg.lora_rank:
-        trained = f"LoRA rank {cfg.lora_rank} adapters of {launch.readable(n_trained)} parameters"
-        what = "adapter"
-        folders = f"PEFT adapter folders {size(4 * n_trained)} each"
-    else:
-        trained = "full fine-tuning"
-        what = "weights"
-        folders = f"HF folders {size(n_params * save_bytes)} each"
-    rloo.print0(f"SOAR: {world_size} ranks, {G} student groups of {world_size // G}; model "
-                f"{cfg.model} ({launch.readable(n_params)} parameters), {trained}; out {cfg.out}; "
-                f"{'resuming at' if resuming else 'starting at'} step {step} of "
-                f"{cfg.outer_steps}\nwritten per step: checkpoint {size(12 * n_trained)} "
-                f"(the teacher's fp32 {what} + AdamW; the student's {size(4 * n_trained)} of "
-                f"{what} only after a promotion), {folders} every {cfg.save_every} steps")
-    free = shutil.disk_usage(cfg.out).free
-    if rloo.rank0() and free < 32 * n_trained:
-        print(f"soar.py: warning: {size(free)} free in {cfg.out}, less than two checkpoints "
-              f"({size(32 * n_trained)}): a save may fail", file=sys.stderr)
-
-
-def throughput(cfg: Config, run: Run, faults_before: dict) -> dict:
-    """The step's counts and speeds (launch.throughput); a trained token costs 6N FLOP, 8N with
-    the KL reference's forward (attention and recomputation left out); with LoRA 4N and 6N (the
-    frozen base gets no weight gradients; the adapters' FLOPs left out)."""
-    flops_per_token = (4 if cfg.lora_rank else 6) + 2 * (cfg.kl_coef > 0)
-    return launch.throughput(run.meter, faults_before, flops_per_token * run.n_params)
-
-
-def commit_step(cfg: Config, run: Run, state: dict, rows: dict, promoted: bool) -> None:
-    """Nothing in --out gets ahead of the checkpoint: first the checkpoint, which commits the step
-    with its rows (the OUTPUTS files are then rewritten from it); then W&B's copy of the metrics
-    row (--wandb); then, every save_every steps and at the end, the HF folders teacher/ and
-    student/."""
-    rloo.restore(run.student, run.theta)   # checkpoint and outputs hold theta, not the last student
-    launch.save_checkpoint(cfg.out, state["step"],
-                           {"teacher": (run.teacher, True), "student": (run.student, False)},
-                           {**state, "config": dataclasses.asdict(cfg)},
-                           unchanged=() if promoted else ("student",), rows=rows)
-    if run.wandb:
-        launch.log_rows(run.wandb, rows["metrics.jsonl"])
-    if state["step"] % cfg.save_every == 0 or state["step"] >= cfg.outer_steps:
-        save_hf(cfg, run, state)
-
-
-def save_hf(cfg: Config, run: Run, state: dict) -> None:
-    """teacher/ and (when theta changed since it was written) student/, with soar.json saying what
-    they hold; the student's weights must be theta"""
-    tag = {"step": state["step"], "promotions": state["promotions"]}
-    rloo.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok, state["step"],
-                 {"soar.json": tag})
-    if rloo.on_rank0(launch.hf_behind, cfg.out, state, ("student",)):
-        rloo.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok, state["step"],
-                     {"soar.json": tag})
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def peak_mem_gib(dev):
 def memory_table(shape: str, rank: int) -> str:
     """GPU memory per rank of SOAR at the paper's settings (PAPER), from the shape's config alone
     (rloo.memory_per_rank, the arithmetic of soar.py's check), for 1 to 32 GPUs: G = the most
-    groups up to g*r (soar.student_groups), each rank training ceil(g*r / G) student adapters at
+    groups up to g*r (launch.student_groups), each rank training ceil(g*r / G) student adapters at
     once beside the teacher's with LoRA rank `rank` (METHOD.md "LoRA"), else the teacher sharded
     over all ranks and a student over its group's (rank 0: full fine-tuning)."""
     cfg = LlamaConfig(**{"tie_word_embeddings": True, **SHAPES[shape]})

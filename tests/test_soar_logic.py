@@ -80,25 +80,27 @@ def test_can_promote_only_when_the_window_can_pass_tau():
 
 def test_settings_that_cannot_work_are_named_by_flag():
     ok = Config(train="t.jsonl")
-    assert soar.check(ok, world_size=32, n_hard=359, seq_len=1200) == []
+    assert launch.check_settings(ok, world_size=32, n_hard=359, seq_len=1200,
+                                 trains_students=True) == []
     bad = Config(train="t.jsonl", outer_steps=0, window=0, qr_size=400, student_groups=3,
                  student_samples=1, micro_batch_tokens=512)
-    problems = " | ".join(soar.check(bad, world_size=32, n_hard=359, seq_len=1200))
+    problems = " | ".join(launch.check_settings(bad, world_size=32, n_hard=359, seq_len=1200,
+                                               trains_students=True))
     for flag in ("--outer_steps 0", "--window 0", "--qr_size 400",
                  "--student_groups 3 does not divide the 32 ranks", "--student_samples 1",
                  "--micro_batch_tokens 512 is less than one sequence "
                  "(prompt + completion: up to 1200 tokens)"):
         assert flag in problems
     assert "more groups than the g*r = 16 students" in \
-        soar.check(Config(train="t", student_groups=32), 32, 359, 1)[0]
-    assert soar.check(Config(train="t", students=0), 32, 359, 1) == \
+        launch.check_settings(Config(train="t", student_groups=32), 32, 359, 1, True)[0]
+    assert launch.check_settings(Config(train="t", students=0), 32, 359, 1, True) == \
         ["--students 0: need r >= 1 per dataset"]   # not "max() arg is an empty sequence"
 
 
 def test_a_layout_that_cannot_fit_is_named_before_anything_loads(tmp_path):
-    """soar.check on a GPU of a given size (a fake one: these are CPU tests), from the 3B and 7B
-    configs bench_rloo.py knows: the paper's 32 H200s fit, one node of 8 H100s does not and the
-    line names the figures and the flags that make it fit (rloo.memory_per_rank)"""
+    """launch.check_settings on a GPU of a given size (a fake one: these are CPU tests), from the 3B
+    and 7B configs bench_rloo.py knows: the paper's 32 H200s fit, one node of 8 H100s does not and
+    the line names the figures and the flags that make it fit (rloo.memory_per_rank)"""
     import importlib.util
     import os
     from transformers import LlamaConfig
@@ -111,7 +113,7 @@ def test_a_layout_that_cannot_fit_is_named_before_anything_loads(tmp_path):
             tmp_path / shape)
     def check(shape, W, gpu_gib, **flags):
         cfg = Config(train="t", model=str(tmp_path / shape), **flags)
-        return soar.check(cfg, W, 359, 1200, gpu_gib=gpu_gib)
+        return launch.check_settings(cfg, W, 359, 1200, True, gpu_gib=gpu_gib)
     assert check("llama3b", 32, 139.0) == []   # docs/scale.md: ~82 of 139 GiB
     assert check("llama3b", 8, 139.0) == []
     [line] = check("llama3b", 8, 79.0)         # 8 groups of 1 rank: a whole student on each
@@ -132,23 +134,23 @@ def test_a_layout_that_cannot_fit_is_named_before_anything_loads(tmp_path):
 
 
 def test_the_engine_is_sized_for_an_inner_step(monkeypatch):
-    """rloo.step_engine_args (GPU only) and soar.kv_line: the paper's layout, 16 groups of 2 ranks,
-    one student each, puts 128 rollouts of up to 1152 tokens on a rank: 147456 tokens, more than
-    the ~120k an H100's 30% holds (a warning naming the flag), less than an H200's"""
+    """rloo.step_engine_args (GPU only) and launch.kv_line: the paper's layout, 16 groups of 2
+    ranks, one student each, puts 128 rollouts of up to 1152 tokens on a rank: 147456 tokens, more
+    than the ~120k an H100's 30% holds (a warning naming the flag), less than an H200's"""
     cfg = Config()
-    seqs = soar.step_sequences(cfg, 32, 16, 1)
+    seqs = launch.step_sequences(cfg, 32, 16, 1)
     assert seqs == 8 * 32 // 2 == 128
-    assert soar.step_sequences(Config(lora_rank=32), 8, 8, 2) == 2 * 8 * 32   # a LoRA wave of 2
+    assert launch.step_sequences(Config(lora_rank=32), 8, 8, 2) == 2 * 8 * 32   # a LoRA wave of 2
     assert rloo.step_engine_args(seqs, 128) == {}   # CPU: build_engine's own settings
     monkeypatch.setattr(rloo.torch.cuda, "is_available", lambda: True)
     assert rloo.step_engine_args(seqs, 128) == dict(max_num_seqs=128, max_num_batched_tokens=16384)
     assert rloo.step_engine_args(4, 100) == dict(max_num_seqs=4, max_num_batched_tokens=2048)
     assert rloo.step_engine_args(256, 128)["max_num_batched_tokens"] == 16384   # vLLM's default
-    short = soar.kv_line(120_000, seqs, 1152)
+    short = launch.kv_line(120_000, seqs, 1152)
     assert short.startswith("engine: KV cache 120000 tokens per rank; an inner step needs up to "
                             "147456 (128 rollouts x 1152 tokens); warning: 1.2x the cache")
     assert "--gpu_memory_utilization" in short and "--student_groups" in short
-    assert "warning" not in soar.kv_line(300_000, seqs, 1152)
+    assert "warning" not in launch.kv_line(300_000, seqs, 1152)
 
 
 def test_opensir_reward_ranks_calibrated_novel_questions_first():
