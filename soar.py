@@ -507,7 +507,9 @@ def novelty(questions: list[str], archive: list[str]) -> list[float]:
     return (1 - similarity.max(1)).tolist()
 
 
-# --reward: how the teacher's datasets are scored (step 5). A new reward is one entry here.
+# --reward: how the teacher's datasets are scored (step 5). A new reward is one entry here and its
+# name in Config.reward's choices (argparse checks the flag before this table exists; a test checks
+# that the two agree).
 TEACHER_REWARDS = {"grounded": TeacherReward(grounded, trains_students=True),
                    "learnability": TeacherReward(learnability_reward, trains_students=False),
                    "opensir": TeacherReward(opensir_reward, trains_students=False)}
