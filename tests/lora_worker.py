@@ -2,8 +2,9 @@
 Worker for tests/test_lora.py: run as `python tests/lora_worker.py OUT BASE [stale]` (1 rank, no
 torchrun) or under `torchrun --nproc_per_node 2`. A teacher and a student as LoRA adapters on one
 frozen base, served by the real vLLM CPU engine; writes what it measured to OUT/rank{r}.pt, and the
-test makes the assertions. `stale` breaks the weight sync on purpose (new weights under the old
-adapter id, the bug vLLM's adapter cache makes easy), to show that the checks catch it.
+test makes the assertions. `stale` then does the first checks again with fresh adapters on the same
+engine and the weight sync broken on purpose (new weights under the old adapter id, the bug vLLM's
+adapter cache makes easy), to show that the checks catch it.
 """
 import os
 import sys
@@ -70,6 +71,32 @@ def lockstep(llm, student, theta, base, mesh):
                 moved=any(not torch.equal(snaps[1][k], theta[k]) for k in theta))
 
 
+def stale_errs(llm, base, mesh, lo, hi):
+    """main's first checks again, with the weight sync broken (stale_sync): a fresh teacher and
+    student on the engine (none of before left in it, so none is evicted and reloaded), synced,
+    compared and updated 3 times; the errors after each sync"""
+    import rloo
+    global SYNC
+    for lora_id in list(llm.llm_engine.list_loras()):
+        llm.llm_engine.remove_lora(lora_id)
+    SYNC, rloo.sync_adapter = rloo.sync_adapter, stale_sync
+    prompts, comps, rewards = fixed_batch()
+    adv = rloo.rloo_advantages(rewards).flatten().tolist()
+    teacher = rloo.load_policy(base, mesh, seed=1, **OPTS)
+    student = rloo.load_policy(base, mesh, seed=2, base=teacher.model, **OPTS)
+    errs = []
+    for it in range(3):
+        for policy in (teacher, student):
+            rloo.sync_weights(policy, llm)
+        errs.append(engine_vs_trainer(llm, [(teacher, teacher.served),
+                                            (student, student.served)], seed=it))
+        for policy in (teacher, student):
+            rloo.train_step(policy, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
+                            loss=rloo.rloo_loss, temperature=1.0, micro_batch_tokens=24)
+    rloo.sync_adapter = SYNC
+    return errs
+
+
 def stale_sync(policy, llm):
     """the broken sync: the policy's new weights rewritten into its first folder and added under
     its first id, which the engine already holds"""
@@ -104,20 +131,16 @@ def full_folder_then_adapter(llm, policy, folder, out, mesh):
     return res
 
 
-def main(out, base, mode="exact"):
+def main(out, base, mode=""):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoTokenizer
     import rloo
-    global SYNC
     rank, world, _ = rloo.init_distributed()
     mesh = init_device_mesh("cpu", (world,))
     # processed: the sampled tokens' log-probs at the sampling temperature, as the trainer's
     llm = rloo.build_engine(base, max_model_len=256, lora_rank=RANK, max_loras=3,
                             logprobs_mode="processed_logprobs")
-    if mode == "stale":
-        SYNC = rloo.sync_adapter
-        rloo.sync_adapter = stale_sync
     teacher = rloo.load_policy(base, mesh, seed=1, **OPTS)
     student = rloo.load_policy(base, mesh, seed=2, base=teacher.model, **OPTS)
     res = dict(world=world, adapter_names=sorted(teacher.adapter),
@@ -182,8 +205,9 @@ def main(out, base, mode="exact"):
     rloo.set_adapter(resumed.model, resumed)
     with torch.no_grad():
         res["saved_logprobs"] = rloo.token_logprobs(resumed.model, prompts, comps)[0]
-    if mode != "stale":
-        res.update(full_folder_then_adapter(llm, resumed, folder, out, mesh))
+    res.update(full_folder_then_adapter(llm, resumed, folder, out, mesh))
+    if mode == "stale":
+        res["stale_errs"] = stale_errs(llm, base, mesh, lo, hi)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()   # no destroy_process_group: vLLM's exit handler still uses the groups
 

@@ -14,6 +14,7 @@ FLAGS = ["--world", "small", "--outer_steps", "3", "--num_datasets", "2", "--stu
          "--dataset_size", "4", "--qr_size", "8", "--window", "1", "--tau", "-1",
          "--inner_steps", "2", "--inner_step_inc", "1", "--student_questions", "2",
          "--student_samples", "4"]
+LORA = ("--lora_rank", "8")   # the same run with LoRA adapters (conftest.lora_run)
 TIMING = {"teacher_generation", "student_rollouts", "student_training", "evaluation",
           "teacher_update", "sync", "total"}
 

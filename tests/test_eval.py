@@ -385,7 +385,8 @@ def test_an_adapter_of_another_base_model_is_refused(tmp_path, row, flag):
 
 
 # ---- end to end: the real engine on the small world, torchrun with 2 ranks ----
-SMALL = ["--world", "small", "--seeds", "0", "--student_steps", "6", "--eval_every", "2",
+STEPS = 4   # a fresh student's steps: two on the synthetic set, two on the hard split (curriculum)
+SMALL = ["--world", "small", "--seeds", "0", "--student_steps", str(STEPS), "--eval_every", "2",
          "--ckpt_every", "2", "--student_samples", "4", "--student_questions", "2",
          "--passk_samples", "8", "--teacher_questions", "8", "--mode", "curriculum",
          "--switch_step", "2", "--es_window", "3", "--es_average", "2"]
@@ -418,6 +419,18 @@ import eval as ev
 import rloo
 ev.ROWS["pq-sept6"] = ev.Row("mine", file="{{soar}}/pq.jsonl", group="big_group",
                              advantages=rloo.sept_advantages, kl=False)
+if __name__ == "__main__":
+    ev.main()
+"""
+
+
+# the two rows of test_leeps_finds_the_informative_questions on --synthetic: one names its sampler,
+# the other takes --sampler's
+POOL_ROWS = """import sys
+sys.path.insert(0, {root!r})
+import eval as ev
+ev.ROWS["pool"] = ev.Row("the pool, shuffled epochs", file="{{synthetic}}", sampler="uniform")
+ev.ROWS["pool-leeps"] = ev.Row("the pool, --sampler's", file="{{synthetic}}")
 if __name__ == "__main__":
     ev.main()
 """
@@ -469,10 +482,10 @@ def test_rows_end_to_end(rows_run, small_world):
         metrics, evals = rows(d / "metrics.jsonl"), rows(d / "evals.jsonl")
         res = json.loads((d / "result.json").read_text())
         assert [m["step"] for m in metrics] == list(range(res["steps_done"])) and \
-            res["steps_done"] <= 6
+            res["steps_done"] <= STEPS
         end = res["steps_done"]      # evals every 2 steps, and at --steps if the run got there
         assert [e["step"] for e in evals] == sorted(set(range(0, end + 1, 2)) |
-                                                    ({end} if end == 6 else set()))
+                                                    ({end} if end == STEPS else set()))
         assert all(0 <= e["solved"] <= n_test for e in evals)
         assert all(m["grad_norm"] >= 0 and 0 <= m["accuracy"] <= 1 for m in metrics)
         assert not (d / "ckpt").exists()   # a finished run keeps no optimizer state
@@ -558,17 +571,23 @@ def test_leeps_finds_the_informative_questions(small_world, tmp_path):
         [{k: p[k] for k in ("question", "answer")}
          for p in (world.make_problem(rng, "word", "-") for _ in range(10))]
     data.write_jsonl(str(tmp_path / "pool.jsonl"), pool)
-    flags = ["--world", "small", "--synthetic", str(tmp_path / "pool.jsonl"), "--name", "pool",
+    (tmp_path / "my_eval.py").write_text(POOL_ROWS.format(root=ROOT))
+    flags = ["--world", "small", "--synthetic", str(tmp_path / "pool.jsonl"),
              "--runs", str(tmp_path / "runs"), "--student_steps", "24", "--fixed_step", "24",
              "--eval_every", "24", "--student_questions", "4", "--student_samples", "8",
              "--student_lr", "0", "--passk_samples", "1", "--mode", "curriculum",
              "--switch_step", "24"]   # the pool alone, and a model that does not change
+    # one launch, one engine: the row that names its sampler, then --sampler's (the student's
+    # seeds are its step's, whatever the row: the same samples as a launch each)
+    p = eval_py("row", "pool", "pool-leeps", *flags, "--sampler", "leeps",
+                script=str(tmp_path / "my_eval.py"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     share = {}
-    for sampler in ("uniform", "leeps"):
-        p = eval_py("train", *flags, "--sampler", sampler)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        d = tmp_path / "runs" / ("pool+leeps" if sampler == "leeps" else "pool") / "seed0"
-        share[sampler] = json.loads((d / "result.json").read_text())["nontrivial_share"]
+    for sampler, name in (("uniform", "pool"), ("leeps", "pool-leeps+leeps")):
+        d = tmp_path / "runs" / name / "seed0"
+        res = json.loads((d / "result.json").read_text())
+        assert res["sampler"] == sampler
+        share[sampler] = res["nontrivial_share"]
         metrics = rows(d / "metrics.jsonl")
         assert all(m["sampler_seconds"] < 0.5 for m in metrics)   # negligible next to a step
     # 0.57 vs 0.31 on the machine this test was written on (0.44 vs 0.21 on the 300-step small
@@ -576,15 +595,28 @@ def test_leeps_finds_the_informative_questions(small_world, tmp_path):
     assert share["leeps"] > share["uniform"] + 0.05, share
 
 
-def test_rows_of_a_lora_run(tmp_path):
-    """a LoRA SOAR run's PEFT folders served as adapters (ps: its student, grounded-t: questions of
-    its teacher) and a fresh student trained as an adapter (--lora_rank)"""
-    from soar_runs import soar
-    p = soar(tmp_path / "soar", "--lora_rank", "8", "--outer_steps", "1")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+def test_train_is_the_row_of_its_synthetic_file(monkeypatch, tmp_path):
+    """`eval.py train --synthetic F --name N`: the row N of the file F (the rows
+    test_leeps_finds_the_informative_questions runs end to end), in runs/N[+leeps]"""
+    called = []
+    monkeypatch.setattr(ev, "cmd_row", lambda cfg, methods: called.append((cfg, methods)))
+    ev.main(["train", "--synthetic", "q.jsonl", "--name", "mine", "--sampler", "leeps",
+             "--runs", str(tmp_path)])
+    (cfg, methods), = called
+    row = ev.row_of("mine", cfg)
+    assert methods == ["mine"] and ev.path_of(row.file, cfg) == "q.jsonl"
+    assert row == ev.Row(row.about, file="{synthetic}")   # a fresh student, all else the default
+    assert ev.run_dir(cfg, "mine", 0) == os.path.join(str(tmp_path), "mine+leeps", "seed0")
+
+
+def test_rows_of_a_lora_run(lora_run, tmp_path):
+    """a LoRA SOAR run's PEFT folders (the session's, conftest.lora_run) served as adapters (ps: its
+    student, grounded-t: questions of its teacher) and a fresh student trained as an adapter
+    (--lora_rank)"""
+    soar_dir, _ = lora_run
     runs = tmp_path / "runs"
     p = eval_py("row", "ps", "hard-only", "grounded-t", "--lora_rank", "8", "--soar",
-                str(tmp_path / "soar"), "--runs", str(runs), *SMALL)
+                str(soar_dir), "--runs", str(runs), *SMALL)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for method in ("ps", "hard-only", "grounded-t"):
         res = json.loads((runs / method / "seed0" / "result.json").read_text())

@@ -1,7 +1,7 @@
 """
 LoRA in rloo.py on real parts: adapters on one frozen base, the vLLM CPU engine serving them, two
-ranks under torchrun (gloo). The worker (tests/lora_worker.py) runs as a plain 1-rank process, under
-`torchrun --nproc_per_node 2`, and once more with its weight sync broken on purpose; the tests
+ranks under torchrun (gloo). The worker (tests/lora_worker.py) runs as a plain 1-rank process (then
+once more with its weight sync broken on purpose) and under `torchrun --nproc_per_node 2`; the tests
 assert on what they wrote. peft (a test dependency) proves that our adapter folders are PEFT's.
 """
 import json
@@ -28,15 +28,14 @@ def runs(tmp_path_factory):
     base = str(d / "base")
     make_tiny_model(base, seed=0)
     worker = os.path.join(HERE, "lora_worker.py")
-    _run([sys.executable, worker, str(d / "w1"), base], str(d / "w1"))
+    _run([sys.executable, worker, str(d / "w1"), base, "stale"], str(d / "w1"))
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", worker,
           str(d / "w2"), base], str(d / "w2"))
-    _run([sys.executable, worker, str(d / "stale"), base, "stale"], str(d / "stale"))
     def load(p):
         return torch.load(p, weights_only=False)
-    return dict(base=base, dir=d, one=load(d / "w1" / "rank0.pt"),
-                two=[load(d / "w2" / f"rank{r}.pt") for r in range(2)],
-                stale=load(d / "stale" / "rank0.pt"))
+    one = load(d / "w1" / "rank0.pt")
+    return dict(base=base, dir=d, one=one, two=[load(d / "w2" / f"rank{r}.pt") for r in range(2)],
+                stale=dict(errs=one["stale_errs"]))
 
 
 def test_adapters_on_one_frozen_base(runs):
@@ -81,8 +80,9 @@ def test_an_adapter_is_served_on_its_base_after_full_weights(runs):
 
 
 def test_a_stale_adapter_is_caught(runs):
-    """the same checks with new weights written under the old adapter id: the engine keeps serving
-    what it loaded first, and the log-probs say so from the first update on"""
+    """the first checks again (fresh adapters, in the 1-rank worker) with new weights written under
+    the old adapter id: the engine keeps serving what it loaded first, and the log-probs say so
+    from the first update on"""
     errs = runs["stale"]["errs"]
     assert max(errs[0]) < EXACT          # before any update nothing is stale yet
     assert min(errs[1]) > 100 * EXACT and min(errs[2]) > 100 * EXACT, errs

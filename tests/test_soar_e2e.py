@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from soar_runs import (ROOT, TIMING, dcp_keys, kill_all, rows, soar, wait_for,  # noqa: E402
-                       without_timing)
+from soar_runs import (LORA, ROOT, TIMING, dcp_keys, kill_all, rows, soar,  # noqa: E402
+                       wait_for, without_timing)
 
 
 def test_outputs_are_consistent(full_run):
@@ -101,15 +101,11 @@ def test_other_settings_refused(full_run):
         "'dataset_size': (4, 5)" in p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("flags", [(), ("--lora_rank", "8")], ids=["full", "lora"])
-def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_path, flags):
-    """student lr 0: every trained student is the baseline, so R == 0 exactly (Acc0 is measured on
-    the same engines and batches as the students: with LoRA, a group's students as adapters at
-    theta in one call), on a Q_R the model solves, so any difference
-    shows: the small world's model is barely trained and gets few sums right, and which ones depends
-    on the machine that built it, so Q_R is sums labelled with the model's own greedy answers (from
-    an engine of this test's). Window 2: step 0 cannot promote, so no snapshot is kept; step 1
-    can."""
+@pytest.fixture(scope="module")
+def easy(tmp_path_factory):
+    """a Q_R the model solves: the small world's model is barely trained and gets few sums right,
+    and which ones depends on the machine that built it, so: sums labelled with the model's own
+    greedy answers (from an engine of this fixture's), those it answers with a number"""
     import random
     import subprocess
     import world
@@ -127,8 +123,17 @@ def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_
     solved = [{"question": q, "answer": a.strip()} for q, a in zip(sums, answers)
               if a and a.strip().isdigit()]
     assert len(solved) >= 8, answers   # M = 8 (soar_runs.FLAGS)
-    easy = tmp_path / "easy.jsonl"
-    easy.write_text("".join(json.dumps(p) + "\n" for p in solved[:16]))
+    path = tmp_path_factory.mktemp("easy") / "easy.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in solved[:16]))
+    return path
+
+
+@pytest.mark.parametrize("flags", [(), LORA], ids=["full", "lora"])
+def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_path, flags, easy):
+    """student lr 0: every trained student is the baseline, so R == 0 exactly (Acc0 is measured on
+    the same engines and batches as the students: with LoRA, a group's students as adapters at
+    theta in one call), on a Q_R the model solves (the fixture easy), so any difference shows.
+    Window 2: step 0 cannot promote, so no snapshot is kept; step 1 can."""
     out = tmp_path / "lr0"
     p = soar(out, "--student_lr", "0", "--window", "2", "--tau", "0.4", "--outer_steps", "2",
              "--train", str(easy), *flags)
@@ -159,36 +164,31 @@ def test_a_teacher_without_valid_pairs_fails_cleanly(tmp_path):
     assert p.returncode == 1 and "valid question-answer pairs" in p.stdout + p.stderr
 
 
-LORA = ("--lora_rank", "8")
-
-
 @pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory):
-    """a LoRA run to the end, and the same run killed once its step-1 checkpoint exists, then
-    resumed"""
-    d = tmp_path_factory.mktemp("lora")
-    whole = soar(d / "whole", *LORA)
-    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
-    p = soar(d / "killed", *LORA, wait=False)
-    wait_for(d / "killed" / "ckpt" / "step-1", p, delay=0.3)
-    kill_all(p)
-    resumed = soar(d / "killed", *LORA)
+def lora_runs(lora_run, tmp_path_factory):
+    """a LoRA run to the end (the session's, conftest.lora_run), and the same run killed once its
+    step-1 checkpoint exists, then resumed"""
+    whole, p = lora_run
+    killed = tmp_path_factory.mktemp("lora") / "killed"
+    k = soar(killed, *LORA, wait=False)
+    wait_for(killed / "ckpt" / "step-1", k, delay=0.3)
+    kill_all(k)
+    resumed = soar(killed, *LORA)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    return d, whole.stdout, resumed.stdout
+    return whole, killed, p.stdout, resumed.stdout
 
 
 def test_lora_run_resumes_to_the_same_result(lora_runs):
-    d, _, log = lora_runs
+    whole, killed, _, log = lora_runs
     assert "resuming at step" in log
-    assert without_timing(rows(d / "killed" / "metrics.jsonl")) == \
-        without_timing(rows(d / "whole" / "metrics.jsonl"))
+    assert without_timing(rows(killed / "metrics.jsonl")) == \
+        without_timing(rows(whole / "metrics.jsonl"))
     for name in ("pq.jsonl", "questions.jsonl"):
-        assert rows(d / "killed" / name) == rows(d / "whole" / name), name
+        assert rows(killed / name) == rows(whole / name), name
 
 
 def test_lora_run_writes_adapters_only(lora_runs):
-    d, log, _ = lora_runs
-    out = d / "whole"
+    out, _, log, _ = lora_runs
     assert [m["promotions"] for m in rows(out / "metrics.jsonl")] == [1, 2, 3]
     assert "LoRA rank 8 adapters of" in log and "PEFT adapter folders" in log
     for name in ("teacher", "student"):   # checkpoints: the adapter (teacher: and AdamW) alone
