@@ -105,8 +105,8 @@ class Config:
     serl_questions: int = launch.flag(16, world=4,
         help="kept written questions per step, at most; they join the step's hard train ones",
         least=0)
-    serl_lr: float = launch.flag(5e-7, world=1e-3,
-        help="the SeRL row's student lr (world: the fresh students' lr of docs/results.md)")
+    serl_lr: float = launch.flag(5e-7, world=3e-4,
+        help="the SeRL row's student lr (world: chosen on the train half, docs/results.md)")
     student_steps: int = launch.flag(1500, world=24,
         help="at most; the early-stopping rule usually ends a run before", least=1)
     switch_step: int = launch.flag(64, world=6,
