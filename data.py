@@ -19,6 +19,7 @@ import random
 import re
 import signal
 import statistics
+import string
 import sys
 import time
 import urllib.request
@@ -290,6 +291,70 @@ def parse_teacher_batch(texts: list[str]) -> list[tuple[str, str] | None]:
     return pairs
 
 
+# ---- SeRL's self-instruction (METHOD.md "SeRL"): its question-writing prompt, the questions read
+# back from it, its quality filter and its majority-vote labels
+SERL_SYSTEM = ("Please act as a professional math teacher.\nYour goal is to create high quality "
+               "math word problems to help students learn math.\nYou only need to create the new "
+               "question. Please DO NOT solve it.")
+SERL_USER = "Come up with a series of questions:\n"   # then the numbered examples, the next number
+SERL_WORDS = (4, 150)   # a kept question has this many words, at least and at most
+# words of questions a text-only model cannot work with (SeRL's list)
+_SERL_BANNED = re.compile(r"\b(images?|graphs?|pictures?|files?|maps?|draw|plot|go to)\b", re.I)
+_NUMBERED = re.compile(r"(?:^|\n)[ \t]*\d+\.[ \t]*(.*?)(?=\n[ \t]*\d+\.(?:\s|\Z)|\Z)", re.S)
+
+
+def fewshot_prompt(tokenizer, examples: list[str]) -> list[int]:
+    """SeRL's question-writing prompt, as token ids through the chat template: its system message,
+    then the examples as a numbered list that ends in the next number, for the model to go on."""
+    listed = "".join(f"{i}. {' '.join(q.split())}\n" for i, q in enumerate(examples, 1))
+    messages = [{"role": "system", "content": SERL_SYSTEM},
+                {"role": "user", "content": SERL_USER + listed + f"{len(examples) + 1}."}]
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                              add_generation_prompt=True,
+                                              date_string=TEMPLATE_DATE))
+
+
+def numbered_questions(reply: str, first: int) -> list[str]:
+    """The questions of a reply to fewshot_prompt: it continues the list at number `first`, and
+    may go on with first + 1, ... (one question per item, whitespace collapsed)."""
+    items = [" ".join(q.split()) for q in _NUMBERED.findall(f"{first}. {reply.lstrip()}")]
+    return [q for q in items if q]
+
+
+def serl_quality(question: str) -> bool:
+    """SeRL's quality filter on a written question: SERL_WORDS words, none of _SERL_BANNED, not a
+    "Write a program" task, and it starts with an ASCII character that is not punctuation."""
+    words = len(question.split())
+    return (SERL_WORDS[0] <= words <= SERL_WORDS[1] and not _SERL_BANNED.search(question)
+            and not question.startswith("Write a program") and question[0].isascii()
+            and question[0] not in string.punctuation)
+
+
+def majority(answers: list[str | None], same) -> tuple[str | None, float]:
+    """SeRL's self-reward label: of n samples' final answers (None: none given), the one the most
+    samples agree with (same(a, b): are two answers equal; the first such answer on a tie) and the
+    share of the n samples that agree with it; (None, 0.0) when no sample gave an answer."""
+    given = [a for a in answers if a is not None]
+    if not given:
+        return None, 0.0
+    votes = {a: sum(same(a, b) for b in given) for a in dict.fromkeys(given)}
+    best = max(votes, key=votes.get)
+    return best, votes[best] / len(answers)
+
+
+def majority_labels(groups: list[list[str]]) -> list[tuple[str | None, float]]:
+    """majority() of each group of completions (one question's samples) over their last boxed
+    answers, two answers equal when math-verify says so either way round (as SeRL's reward does;
+    graded in the worker pool)."""
+    answers = [[(last_boxed(c) or "").strip() or None for c in g] for g in groups]
+    pairs = sorted({(a, b) for g in answers for a in g for b in g
+                    if a is not None and b is not None and a != b})
+    verdicts = grade(["\\boxed{" + a + "}" for a, _ in pairs], [b for _, b in pairs])
+    equal = {pair for pair, r in zip(pairs, verdicts) if r == R_CORRECT}
+    return [majority(g, lambda a, b: a == b or (a, b) in equal or (b, a) in equal)
+            for g in answers]
+
+
 # ---- datasets ----
 def _check_rows(rows: list, where: str) -> list[dict]:
     out = []
@@ -449,6 +514,16 @@ def embed_ngram(texts: list[str], dim: int = 4096, n: int = 3) -> np.ndarray:
         for i in range(max(1, len(t) - n + 1)):
             X[r, zlib.crc32(t[i:i + n].encode()) % dim] += 1
     return X / np.maximum(np.linalg.norm(X, axis=1, keepdims=True), 1e-12)
+
+
+def novelty(questions: list[str], archive: list[str]) -> list[float]:
+    """Per question: 1 - the highest cosine similarity of its n-gram embedding to an archived
+    question's (1 while the archive is empty): the OpenSIR-style reward's novelty and SeRL's
+    diversity filter."""
+    if not archive:
+        return [1.0] * len(questions)
+    similarity = embed_ngram(questions) @ embed_ngram(archive).T
+    return (1 - similarity.max(1)).tolist()
 
 
 def embed_hf(texts: list[str], path: str, batch: int = 32) -> np.ndarray:

@@ -86,6 +86,27 @@ class Config:
         choices=("uniform", "leeps"))
     sept_temperature: float = launch.flag(1.0,
         "SePT's answer temperature (0.5/0.7/1.0: best on a train half)")
+    # ---- SeRL (METHOD.md "SeRL"): SeRL's own settings; the built-in world's beside them ----
+    serl_shots: int = launch.flag(8, world=0, least=0,
+        help="examples of the hard train split (2 of them its own kept questions, once it has) in "
+             "each question-writing prompt; 0: SOAR's teacher prompt and format filter instead, "
+             "the only prompt the built-in world's model follows")
+    serl_prompts: int = launch.flag(4, world=16, help="question-writing prompts per step", least=1)
+    serl_temperature: float = launch.flag(0.8, "temperature of the question-writing samples")
+    serl_similarity: float = launch.flag(0.7,
+        "diversity: a written question this similar (n-gram cosine) to a hard train or kept one "
+        "is dropped")
+    serl_samples: int = launch.flag(16, world=8,
+        help="answers sampled per written question for its majority vote; the row's RLOO group",
+        least=2)
+    serl_low: float = launch.flag(0.2,
+        "difficulty: keep a question whose majority's share of the votes is >= this")
+    serl_high: float = launch.flag(0.8, "... and <= this")
+    serl_questions: int = launch.flag(16, world=4,
+        help="kept written questions per step, at most; they join the step's hard train ones",
+        least=0)
+    serl_lr: float = launch.flag(5e-7, world=3e-4,
+        help="the SeRL row's student lr (world: chosen on the train half, docs/results.md)")
     student_steps: int = launch.flag(1500, world=24,
         help="at most; the early-stopping rule usually ends a run before", least=1)
     switch_step: int = launch.flag(64, world=6,
@@ -145,6 +166,7 @@ KS = (1, 4, 8, 16, 32)
 LEEPS_WINDOW = 20       # steps over which each portfolio's share of non-trivial groups is measured
 LEEPS_NEIGHBOURS = 8    # nearest neighbours whose outcomes rank an explore question
 TEACHER_ROUNDS = 8      # rejection-sampling rounds for a teacher's questions (teacher_questions)
+SERL_OWN_SHOTS = 2      # SeRL: a few-shot prompt's examples drawn from its own kept questions
 ROUND_VENDI_SUBSET = 8  # the report's Vendi per PopuLoRA round: of this many problems (one agent's)
 MAY_CHANGE = {"prompt_pass", "runs", "out", "seeds", "ckpt_every", "micro_batch_tokens",
               "activation_checkpointing", "gpu_memory_utilization", "verbose", "wandb",
@@ -167,6 +189,8 @@ class Row:
     train_temperature: float | None = None   # its log-probs' in training; None: the sampling one
     kl: bool = True       # the k3 KL to the base model in its student's loss
     sampler: str = ""     # uniform or leeps; "" = --sampler
+    lr: str = "student_lr"        # the Config field of its student's learning rate
+    self_instruct: bool = False   # SeRL: each step it writes questions too (self_instruct())
 
 
 ROWS = {  # the paper's Tables 4-6 rows, in its order (the report keeps it); a new row is one entry
@@ -194,6 +218,10 @@ ROWS = {  # the paper's Tables 4-6 rows, in its order (the report keeps it); a n
     "sept": Row("fresh student, SePT: NLL on its own answers to the hard train split, no reward",
                 advantages=rloo.sept_advantages, temperature="sept_temperature", kl=False,
                 train_temperature=1.0),   # NLL of the model itself on its sharper samples
+    "serl": Row("fresh student, SeRL: each step it writes questions (few-shot, from the hard train "
+                "split), labels them by its majority vote, keeps them by quality, diversity and "
+                "difficulty, and trains on them + hard train", group="serl_samples", lr="serl_lr",
+                self_instruct=True),
     "upper-128": Row("fresh student on 128 questions of --extra + hard train", file="{extra}",
                      subsample=True),
     "upper": Row("fresh student on all of --extra (e.g. MATH train) + hard train", file="{extra}"),
@@ -241,6 +269,8 @@ def parse_args(argv=None) -> tuple[str, list[str], Config]:
     cfg = launch.config_from(Config, a)
     error = p.error if rloo.rank0() else lambda _: sys.exit(launch.USAGE_EXIT)   # rank 0 says it
     bad = launch.too_small(cfg) + ["--temperature: need T > 0"] * (cfg.temperature <= 0)
+    bad += ["--serl_low, --serl_high: need 0 <= low <= high <= 1"] * (
+        not 0 <= cfg.serl_low <= cfg.serl_high <= 1)
     if bad:
         error("these settings cannot work: " + "; ".join(bad))
     if command == "row" and (not args or set(args) - set(ROWS)):
@@ -446,6 +476,67 @@ def teacher_questions(path: str, cfg: Config, seed: int, llm, tok) -> list[dict]
     return [{"question": q, "answer": a} for _, (q, a) in kept]
 
 
+def writing_prompts(cfg: Config, tok, seed_set: list[dict], kept: list[str],
+                    rng: random.Random) -> list:
+    """SeRL's question-writing prompts of a step: each lists --serl_shots examples, SERL_OWN_SHOTS
+    of its kept questions (when it has them) and the rest from the seed set; with --serl_shots 0
+    (the built-in world's model follows only it), SOAR's teacher prompt."""
+    if not cfg.serl_shots:
+        return [data.teacher_prompt(tok)] * cfg.serl_prompts
+    prompts = []
+    for _ in range(cfg.serl_prompts):
+        shots = rng.sample(kept, min(SERL_OWN_SHOTS, len(kept)))
+        shots += [q["question"] for q in rng.sample(seed_set, min(cfg.serl_shots - len(shots),
+                                                                  len(seed_set)))]
+        rng.shuffle(shots)
+        prompts.append(data.fewshot_prompt(tok, shots))
+    return prompts
+
+
+def self_instruct(cfg: Config, seed: int, step: int, llm, tok, seed_set: list[dict],
+                  metrics: list[dict]) -> dict:
+    """SeRL's data of one step (METHOD.md "SeRL"), written by the weights in the engine: the
+    questions of --serl_prompts prompts, those that pass the quality filter and the diversity filter
+    (against the seed set, the questions kept in earlier steps and those accepted before them), and
+    of those the ones whose majority vote over --serl_samples answers is in the difficulty bounds,
+    labelled with its answer. Returns the metrics row's `generated` (question, answer, share; at
+    most --serl_questions) and `serl` (how many passed each filter)."""
+    kept = [q["question"] for m in metrics for q in m["generated"]]
+    prompts = writing_prompts(cfg, tok, seed_set, kept, random.Random(f"{seed}/serl/{step}"))
+    outs = rloo.generate(llm, prompts, temperature=cfg.serl_temperature,
+                         max_tokens=cfg.teacher_max_tokens, seed=launch.seed_of(seed, "serl", step),
+                         group=dist.group.WORLD)
+    texts = [o[0].text for o in outs]
+    if cfg.serl_shots:
+        written = [q for t in texts for q in data.numbered_questions(t, cfg.serl_shots + 1)]
+    else:   # the format filter's question; its answer is not used (the vote labels it)
+        written = [p[0] for p in rloo.split_map(data.parse_teacher_batch, texts, dist.group.WORLD)
+                   if p is not None]
+    good = [q for q in dict.fromkeys(written) if data.serl_quality(q)]
+    diverse = []   # similarity = 1 - novelty
+    for q, new in zip(good, data.novelty(good, [p["question"] for p in seed_set] + kept)):
+        if max(1 - new, 1 - data.novelty([q], diverse)[0]) <= cfg.serl_similarity:
+            diverse.append(q)
+    outs = rloo.generate(llm, [data.student_prompt(q) for q in diverse], n=cfg.serl_samples,
+                         temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
+                         seed=launch.seed_of(seed, "serl-vote", step), group=dist.group.WORLD)
+    votes = rloo.split_map(data.majority_labels, [[s.text for s in o] for o in outs],
+                           dist.group.WORLD)
+    generated = serl_kept(diverse, votes, cfg)
+    return {"generated": generated[:cfg.serl_questions],
+            "serl": dict(written=len(written), quality=len(good), diverse=len(diverse),
+                         difficulty=len(generated))}
+
+
+def serl_kept(questions: list[str], votes: list[tuple[str | None, float]],
+              cfg: Config) -> list[dict]:
+    """SeRL's difficulty filter: the questions whose majority answer's share of the votes lies in
+    [--serl_low, --serl_high], labelled with that answer (data.majority_labels)"""
+    return [{"question": q, "answer": answer, "share": share}
+            for q, (answer, share) in zip(questions, votes)
+            if answer is not None and cfg.serl_low <= share <= cfg.serl_high]
+
+
 # ---- one run folder ----
 
 def inference_run(cfg: Config, seed: int, method: str, path: str, llm, test,
@@ -484,9 +575,10 @@ def fresh_student(cfg: Config, row: Row, mesh, out: str, config: dict):
     return policy, (state["step"] if ckpt else 0)
 
 
-def student_step(cfg: Config, row: Row, seed: int, step: int, policy, llm, synthetic, real,
+def student_step(cfg: Config, row: Row, seed: int, step: int, policy, llm, tok, synthetic, real,
                  metrics: list[dict], emb: dict) -> dict:
-    """One RLOO step of a fresh student on its sampler's questions: the step's metrics row."""
+    """One RLOO step of a fresh student on its sampler's questions (SeRL: and on the questions it
+    writes, self_instruct()): the step's metrics row."""
     t0 = time.perf_counter()
     meter = rloo.Meter()   # this step's only (not the evaluation's nor another run's)
     faults = data.grading_faults()
@@ -500,6 +592,11 @@ def student_step(cfg: Config, row: Row, seed: int, step: int, policy, llm, synth
                                random.Random(f"{seed}/leeps/{step}"))
     sampler_s = time.perf_counter() - t0
     batch = [(pool[i]["question"], pool[i]["answer"]) for i in idx]
+    written = {}
+    if row.self_instruct:   # the questions are written by the weights of this step
+        rloo.sync_weights(policy, llm)
+        written = self_instruct(cfg, seed, step, llm, tok, real, metrics)
+        batch += [(q["question"], q["answer"]) for q in written["generated"]]
     stats = rloo.rl_step(policy, llm, batch, prompt=data.student_prompt, reward=data.grade,
                          samples=cfg.student_samples, temperature=getattr(cfg, row.temperature),
                          max_tokens=cfg.student_max_tokens, group=dist.group.WORLD,
@@ -509,18 +606,20 @@ def student_step(cfg: Config, row: Row, seed: int, step: int, policy, llm, synth
     sample_rewards = stats.pop("rewards")
     stats["accuracy"] = statistics.fmean(r == data.R_CORRECT for r in sample_rewards)
     return {"step": step, "source": source, "questions": idx, "portfolio": portfolio, **stats,
-            "nontrivial_share": statistics.fmean(stats["nontrivial"]), "skipped_updates": 0,
+            **written, "nontrivial_share": statistics.fmean(stats["nontrivial"]),
+            "skipped_updates": 0,
             **launch.step_counts(meter, faults), "sampler_seconds": round(sampler_s, 4),
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, test, llm, mesh,
-              out: str) -> dict:
+def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, test, llm, tok,
+              mesh, out: str) -> dict:
     """A fresh student from the base model on synthetic + real (METHOD.md "Evaluation protocol") as
     `row` says (group, advantages, temperature, KL), on its sampler's questions, test pass@k every
     eval_every steps, until early stopping (or --fixed_step, --student_steps) fixes the row's
     number. Resumes from out/ckpt; writes out/result.json."""
     cfg = dataclasses.replace(cfg, student_samples=getattr(cfg, row.group),
+                              student_lr=getattr(cfg, row.lr),
                               sampler=row.sampler or cfg.sampler,
                               mode=cfg.mode if synthetic else "mixed")  # hard-only: hard split only
     offset = cfg.switch_step if cfg.mode == "curriculum" else 0  # the rule sees the real-only phase
@@ -547,7 +646,7 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
                     data.append_jsonl(evals_path, [evals[-1]])
             if step >= cfg.student_steps or finished(rewards, step, cfg, offset):
                 break
-            metrics.append(student_step(cfg, row, seed, step, policy, llm, synthetic, real,
+            metrics.append(student_step(cfg, row, seed, step, policy, llm, tok, synthetic, real,
                                         metrics, emb))
             rewards.append(metrics[-1]["reward"])
             if rloo.rank0():
@@ -567,6 +666,9 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
                nontrivial_share=(statistics.fmean(m["nontrivial_share"] for m in metrics)
                                  if metrics else None), **select(evals, rewards, cfg, offset))
     if rloo.rank0():
+        if row.self_instruct:   # SeRL's kept questions, for the report's Vendi scores
+            data.write_jsonl(os.path.join(out, "questions.jsonl"),
+                             [q for m in metrics for q in m["generated"]])
         data.write_json(os.path.join(out, "result.json"), res)
         shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)  # its optimizer state: large
     dist.barrier()
@@ -576,16 +678,23 @@ def train_run(cfg: Config, seed: int, method: str, row: Row, synthetic, real, te
 # ---- commands that need the engines ----
 
 def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False,
-          engine_share: float | None = None, served=()):
+          engine_share: float | None = None, served=(), fewshot_from=()):
     """mesh (one FSDP mesh over all ranks: the student is sharded over all, each rank's engine makes
     its share), tokenizer and a per-rank engine fitting the longest question plus a completion and,
-    if `teacher`, a teacher prompt plus its sample and such a sample as a question. The engine
-    serves adapters of up to --lora_rank and of the PEFT folders among the paths `served`."""
+    if `teacher`, a teacher prompt plus its sample and such a sample as a question; with
+    `fewshot_from` (SeRL's seed set), a few-shot prompt of its longest questions and of its own
+    written ones, plus a sample. The engine serves adapters of up to --lora_rank and of the PEFT
+    folders among the paths `served`."""
     _, world_size, device = rloo.init_distributed()
     mesh = init_device_mesh(device.type, (world_size,))
     tok = launch.tokenizer(cfg.model)
     seq_len = data.engine_len(tok, [q["question"] for qs in question_sets for q in qs],
                               cfg.student_max_tokens, cfg.teacher_max_tokens if teacher else 0)
+    if fewshot_from and cfg.serl_shots:   # (its own written questions: a sample each, at most)
+        longest = sorted((q["question"] for q in fewshot_from),
+                         key=lambda q: len(tok(q).input_ids))[-cfg.serl_shots:]
+        seq_len = max(seq_len, len(data.fewshot_prompt(tok, longest)) + 16
+                      + (SERL_OWN_SHOTS + 1) * cfg.teacher_max_tokens)
     if cfg.micro_batch_tokens < seq_len:
         raise launch.UsageError(f"--micro_batch_tokens {cfg.micro_batch_tokens} is less "
                                 f"than one sequence (prompt + completion: up to {seq_len} tokens)")
@@ -639,7 +748,9 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
     test = launch.problems(cfg.test)
     files = {r.file: launch.problems(path_of(r.file, cfg)) for r in rows.values() if r.file}
     mesh, tok, llm = setup(cfg, [hard, test, *files.values()],
-                           teacher=any(r.teacher for r in rows.values()), served=served)
+                           teacher=any(r.teacher or r.self_instruct for r in rows.values()),
+                           served=served,
+                           fewshot_from=hard if any(r.self_instruct for r in rows.values()) else ())
     for method, row in rows.items():
         for seed in seeds(cfg):
             out = run_dir(cfg, method, seed)
@@ -655,7 +766,8 @@ def cmd_row(cfg: Config, methods: list[str]) -> None:
                     rloo.print0(f"{method}: skipped, {path_of(row.file, cfg)} "
                                 "has no such questions yet")
                     continue
-                res = train_run(cfg, seed, method, row, synthetic, hard, test, llm, mesh, out)
+                res = train_run(cfg, seed, method, row, synthetic, hard, test, llm, tok, mesh,
+                                out)
             rloo.print0(f"{method} seed {seed}: " + "  ".join(f"{k} {100 * v:.1f}%"
                                                                 for k, v in res["passk"].items()))
     log_tables(cfg, [data.read_json(os.path.join(run_dir(cfg, m, s), "result.json"))

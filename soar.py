@@ -181,7 +181,7 @@ class Measured:
     acc0: float                 # the baseline's Acc on Q_R
     accs: list[float]           # Acc on Q_R of each of the r students trained on X_k
     solve_rates: list[float]    # the baseline's solve rate on each question of X_k
-    novelty: list[float]        # each question's novelty against the archive (novelty())
+    novelty: list[float]        # each question's novelty against the archive (data.novelty)
 
 
 def grounded(m: Measured) -> list[float]:
@@ -455,7 +455,7 @@ def measure_baseline(cfg: Config, run, step: Step) -> list[Measured]:
     and its novelty against the archive (which is in the run's state, and so in the checkpoint,
     and then takes this step's questions)"""
     questions, rates = solve_rates(cfg, run, step)
-    novelties = novelty(questions, run.state["archive"])
+    novelties = data.novelty(questions, run.state["archive"])
     run.state["archive"] = (run.state["archive"] + questions)[-OPENSIR_ARCHIVE:]
     g = cfg.num_datasets
     return [Measured(X, step.acc0, [], X_rates, X_novelties) for X, X_rates, X_novelties
@@ -496,15 +496,6 @@ def opensir_reward(m: Measured) -> list[float]:
     """R_k = X_k's mean OpenSIR-style reward (METHOD.md "OpenSIR-style reward")"""
     per_question = opensir(m.solve_rates, m.novelty)
     return [sum(per_question) / len(per_question)]
-
-
-def novelty(questions: list[str], archive: list[str]) -> list[float]:
-    """Per question: 1 - the highest cosine similarity of its n-gram embedding to an archived
-    question's (1 while the archive is empty)."""
-    if not archive:
-        return [1.0] * len(questions)
-    similarity = data.embed_ngram(questions) @ data.embed_ngram(archive).T
-    return (1 - similarity.max(1)).tolist()
 
 
 # --reward: how the teacher's datasets are scored (step 5). A new reward is one entry here and its

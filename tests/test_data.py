@@ -178,6 +178,54 @@ def test_teacher_prompt_ids_one_bos_and_a_pinned_date(monkeypatch):
         data.teacher_prompt(tok)
 
 
+# ---- SeRL's self-instruction ----
+def test_fewshot_prompt_numbers_the_examples_and_asks_for_the_next():
+    tok = llama_like_tokenizer()
+    text = tok.decode(data.fewshot_prompt(tok, ["What is\n 1 + 1?", "Find x."]))
+    assert data.SERL_SYSTEM in text and data.TEMPLATE_DATE in text
+    assert data.SERL_USER + "1. What is 1 + 1?\n2. Find x.\n3." in text
+
+
+def test_numbered_questions_read_the_continued_list():
+    reply = " Tom has 3 apples.\nHow many?\n10. What is 2 + 2?\n 11.  Find y if y = 3.5.\n12."
+    assert data.numbered_questions(reply, 9) == ["Tom has 3 apples. How many?", "What is 2 + 2?",
+                                                 "Find y if y = 3.5."]
+    assert data.numbered_questions("", 9) == []
+
+
+@pytest.mark.parametrize("question, ok", [
+    ("What is the sum of 4 and 9?", True),
+    ("What is 4?", False),                                  # 3 words
+    (" ".join(["word"] * 151), False),                      # too long
+    ("Draw the graph of y = x^2 and find its vertex.", False),
+    ("Look at the image below: how many apples are there?", False),
+    ("Write a program that prints the primes below 100.", False),
+    ("(a) Find the sum of 4 and 9.", False),                # starts with punctuation
+    ("Ünd what is the sum of 4 and 9?", False),             # starts with a non-ASCII character
+    ("Plotting aside, what is the sum of 4 and 9?", True),  # whole words only
+])
+def test_serl_quality(question, ok):
+    assert data.serl_quality(question) == ok
+
+
+def test_majority_vote_on_hand_built_answers():
+    same = str.__eq__
+    assert data.majority(["3", "4", "3", None], same) == ("3", 0.5)   # no answer: a vote against
+    assert data.majority(["4", "3", "3", "4"], same) == ("4", 0.5)    # a tie: the first
+    assert data.majority([None, None], same) == (None, 0.0)
+    assert data.majority(["7"] * 5, same) == ("7", 1.0)
+
+
+def test_majority_labels_count_equal_answers_by_math_verify():
+    groups = [["so \\boxed{0.5}", "\\boxed{\\frac{1}{2}}", "\\boxed{1/2}", "\\boxed{2}", "none"],
+              ["\\boxed{12}", "\\boxed{ 12 }", "\\boxed{13}", "\\boxed{}"],
+              ["no answer", "\\boxed{"]]
+    (a, share_a), (b, share_b), (c, share_c) = data.majority_labels(groups)
+    assert a in ("0.5", "\\frac{1}{2}", "1/2") and share_a == 3 / 5
+    assert (b, share_b) == ("12", 2 / 4)
+    assert (c, share_c) == (None, 0.0)
+
+
 # ---- datasets ----
 def test_load_jsonl_and_errors(tmp_path):
     f = tmp_path / "ok.jsonl"

@@ -177,6 +177,43 @@ def test_batches_mixed_and_curriculum():
     assert all(q in real for q in batch(3, syn, real, cur, 0)[1])
 
 
+def test_serl_keeps_the_questions_whose_majority_share_is_in_the_bounds():
+    cfg = ev.Config(serl_low=0.25, serl_high=0.75)
+    questions = ["q0", "q1", "q2", "q3", "q4", "q5"]
+    votes = [("3", 0.25), ("4", 0.75), ("5", 0.125), ("6", 1.0), (None, 0.0), ("7", 0.5)]
+    assert ev.serl_kept(questions, votes, cfg) == [
+        {"question": "q0", "answer": "3", "share": 0.25},   # the bounds are kept
+        {"question": "q1", "answer": "4", "share": 0.75},
+        {"question": "q5", "answer": "7", "share": 0.5}]
+    # majority labels of hand-built samples, through the difficulty filter
+    groups = [["\\boxed{3}"] * 3 + ["\\boxed{4}"],   # share 0.75: kept
+              ["\\boxed{3}"] * 4,                      # all agree: too easy
+              ["\\boxed{1}", "\\boxed{2}", "\\boxed{3}", "\\boxed{4}"]]   # 0.25: kept
+    kept = ev.serl_kept(["a", "b", "c"], data.majority_labels(groups), cfg)
+    assert [(q["question"], q["answer"]) for q in kept] == [("a", "3"), ("c", "1")]
+
+
+def test_serl_writing_prompts_hold_seed_and_own_examples():
+    """SeRL's few-shot prompts (its --serl_shots 8): 2 of its own kept questions once it has them,
+    the rest from the seed set; with --serl_shots 0 (the world's), SOAR's teacher prompt"""
+    import random
+    from test_data import llama_like_tokenizer
+    tok = llama_like_tokenizer()
+    seed_set = [{"question": f"Seed question number {i}?", "answer": str(i)} for i in range(20)]
+    kept = ["Own question alpha?", "Own question beta?", "Own question gamma?"]
+    cfg = ev.Config(serl_shots=8, serl_prompts=3)
+    for own, prompts in ((0, ev.writing_prompts(cfg, tok, seed_set, [], random.Random(0))),
+                         (2, ev.writing_prompts(cfg, tok, seed_set, kept, random.Random(0)))):
+        assert len(prompts) == 3
+        for ids in prompts:
+            text = tok.decode(ids)
+            assert text.count("Seed question") == 8 - own and text.count("Own question") == own
+            assert "\n9." in text and "\n10." not in text
+    world = ev.Config(serl_shots=0, serl_prompts=2)
+    assert ev.writing_prompts(world, tok, seed_set, kept, random.Random(0)) == \
+        [data.teacher_prompt(tok)] * 2
+
+
 def test_paired_ci_and_pooled_slope():
     lo, hi = ev.paired_ci([1.0, 2.0, 3.0, 4.0, 5.0])
     assert 1.0 <= lo < 3.0 < hi <= 5.0
@@ -341,10 +378,14 @@ def test_parse_args_world_defaults_and_paper_settings(tmp_path):
             paper.student_warmup, paper.switch_step) == (1500, 1e-5, 32, 8, 20, 64)
     assert (paper.es_window, paper.es_fraction, paper.es_average, paper.passk_samples) == \
         (25, 0.15, 200, 32)
+    # SeRL's own settings (its Llama-3.2-3B RLOO script)
+    assert (paper.serl_shots, paper.serl_samples, paper.serl_low, paper.serl_high,
+            paper.serl_lr, paper.serl_similarity) == (8, 16, 0.2, 0.8, 5e-7, 0.7)
     cmd, _, cfg = ev.parse_args(["train", "--synthetic", "q.jsonl", "--name", "mine"])
     assert (cmd, cfg.synthetic, cfg.name) == ("train", "q.jsonl", "mine")
     for bad in (["row", "nonsense"], ["row"], ["row", "pq", "--mode", "random"],
-                ["train", "--name", "x"], ["train", "--synthetic", "q.jsonl", "--name", "pq"]):
+                ["train", "--name", "x"], ["train", "--synthetic", "q.jsonl", "--name", "pq"],
+                ["row", "serl", "--serl_low", "0.9", "--serl_high", "0.8"]):
         with pytest.raises(SystemExit):
             ev.parse_args(bad)
     # fails fast, before any world or engine; --runs not ./runs, where rows the README's commands
@@ -439,8 +480,8 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def rows_run(small_world, tmp_path_factory):
     """a stand-in SOAR output (the world model as promoted student, 8 hard train problems as PQ),
-    then the rows base, ps, hard-only, pq (curriculum), base-t, sept and MY_EVAL's pq-sept6 on it,
-    in one torchrun call"""
+    then the rows base, ps, hard-only, pq (curriculum), base-t, sept, serl and MY_EVAL's pq-sept6 on
+    it, in one torchrun call"""
     import shutil
     tmp = tmp_path_factory.mktemp("eval")
     soar_dir, runs = tmp / "soar", tmp / "runs"
@@ -449,8 +490,8 @@ def rows_run(small_world, tmp_path_factory):
     write(str(soar_dir / "metrics.jsonl"), [dict(step=s, reward=0.01 * s, ma=0.01, promoted=s == 1,
                                                  promotions=int(s >= 1)) for s in range(3)])
     (tmp / "my_eval.py").write_text(MY_EVAL.format(root=ROOT))
-    p = eval_py("row", "base", "ps", "hard-only", "pq", "base-t", "sept", "pq-sept6", "--soar",
-                str(soar_dir), "--runs", str(runs), *SMALL, "--big_group", "6",
+    p = eval_py("row", "base", "ps", "hard-only", "pq", "base-t", "sept", "serl", "pq-sept6",
+                "--soar", str(soar_dir), "--runs", str(runs), *SMALL, "--big_group", "6",
                 "--wandb", "eval-tests", script=str(tmp / "my_eval.py"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return soar_dir, runs, p
@@ -508,12 +549,32 @@ def test_rows_end_to_end(rows_run, small_world):
     # --wandb (offline: conftest): the rows' tables, each with its result.json's numbers
     (folder,) = {d for d, _ in wandb_records(runs)}   # one W&B run
     tables = {k[:-5]: v for r in wandb_history(runs) for k, v in r.items() if k.endswith("/path")}
-    assert set(tables) == {"base", "ps", "hard-only", "pq", "base-t", "sept", "pq-sept6"}
+    assert set(tables) == {"base", "ps", "hard-only", "pq", "base-t", "sept", "serl", "pq-sept6"}
     for method, path in tables.items():
         res = json.loads((runs / method / "seed0" / "result.json").read_text())
         table = json.loads((runs / "wandb" / folder / "files" / path).read_text())
         assert table["columns"] == ["test", "seed", *res["passk"], "step"]
         assert table["data"] == [[res["test"], 0, *res["passk"].values(), res.get("stop_step")]]
+
+
+def test_serl_row(rows_run):
+    """SeRL on the small world: each step the student writes questions (teacher prompt and format
+    filter: the world's value of --serl_shots), keeps them by quality, diversity and its majority
+    vote's share, and trains on them with its labels beside the hard split's questions"""
+    _, runs, _ = rows_run
+    d = runs / "serl" / "seed0"
+    res, metrics = json.loads((d / "result.json").read_text()), rows(d / "metrics.jsonl")
+    world = launch.world_values(ev.Config)
+    assert (res["samples"], res["n_synthetic"], res["mode"]) == (world["serl_samples"], 0, "mixed")
+    generated = [q for m in metrics for q in m["generated"]]
+    assert generated and rows(d / "questions.jsonl") == generated
+    for m in metrics:
+        n = m["serl"]
+        assert n["written"] >= n["quality"] >= n["diverse"] >= n["difficulty"] >= \
+            len(m["generated"]) and len(m["generated"]) <= world["serl_questions"]
+        assert len(m["nontrivial"]) == 2 + len(m["generated"])   # --student_questions 2 + these
+    assert all(0.2 <= q["share"] <= 0.8 and q["answer"] for q in generated)
+    assert len({q["question"] for q in generated}) == len(generated)   # the diversity filter
 
 
 def test_rerun_does_nothing_and_report(rows_run):

@@ -159,12 +159,12 @@ def test_opensir_reward_ranks_calibrated_novel_questions_first():
           "How many primes are below 20?",      # novel, solved every time (s = 1)
           "What is 12 + 30?",                   # calibrated, but a repeat of an archived question
           "Compute the product 7 * 6."]         # novel, never solved (s = 0)
-    r = soar.opensir([0.5, 1.0, 0.5, 0.0], soar.novelty(qs, archive))
+    r = soar.opensir([0.5, 1.0, 0.5, 0.0], data.novelty(qs, archive))
     assert r[0] > r[1] and r[0] > r[2] and r[0] > r[3]
     # calibration is worth 1
     assert r[2] == pytest.approx(1.0) and r[1] == pytest.approx(r[0] - 1.0) and r[3] <= 0.5
     # nothing archived yet
-    assert soar.opensir([0.5], soar.novelty(qs[:1], [])) == [1.5]
+    assert soar.opensir([0.5], data.novelty(qs[:1], [])) == [1.5]
 
 
 def test_each_teacher_reward_is_a_function_of_one_datasets_measurements():
