@@ -54,6 +54,14 @@ provides the final answer in \\boxed{}. The assistant must always follow the for
 
 User: {question} Assistant:"""
 
+# ---- the two-turn teacher's (METHOD.md "Two-turn teacher"; the paper prints neither, ours): turn 1
+# answers TEACHER_PROMPT and ends where its question does; turn 2 answers after p' (answer_prompt)
+QUESTION_STOP = "</question>"
+ANSWER_PROMPT = ("Now solve the problem you just wrote and give its final answer in the answer "
+                 "tags, as the instructions above say.")
+ANSWER_PROMPTS = ("chat", "tag")   # the forms of p' (answer_prompt)
+WORLD_ANSWER_CUE = "answer"        # p' of form "tag": the answer tag's name (answer_prompt)
+
 # Chat templates that print today's date (Llama 3.x: "Today Date: ...") get this one (Llama 3's own
 # fallback): the teacher prompt is the same bytes every day, in every resume, in training and eval
 TEMPLATE_DATE = "26 Jul 2024"
@@ -89,6 +97,26 @@ def teacher_prompt(tokenizer) -> list[int]:
     return list(tokenizer.apply_chat_template(
         [{"role": "user", "content": TEACHER_PROMPT}], tokenize=True, return_dict=False,
         add_generation_prompt=True, date_string=TEMPLATE_DATE))
+
+
+def answer_prompt(tokenizer, form: str) -> list[int]:
+    """p', the two-turn teacher's prompt between its question and its answer, as token ids. "chat"
+    (our reading of the paper): the teacher's reply closed, ANSWER_PROMPT as a second user message
+    through the chat template, and the answer tag opened for the reply. "tag" (the built-in world's,
+    whose model knows one turn): WORLD_ANSWER_CUE alone, as its model writes it after a question
+    (its tokenizer ends the question on the token "><", the answer tag's "<"), so the pair reads as
+    one reply."""
+    if form == "tag":
+        return tokenizer(WORLD_ANSWER_CUE, add_special_tokens=False).input_ids
+    if form != "chat":
+        raise ValueError(f"answer prompt {form!r}: one of {ANSWER_PROMPTS}")
+    mark = "@@QUESTION@@"   # where turn 1 goes: p' is what the template puts after it
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": TEACHER_PROMPT}, {"role": "assistant", "content": mark},
+         {"role": "user", "content": ANSWER_PROMPT}], tokenize=False,
+        add_generation_prompt=True, date_string=TEMPLATE_DATE)
+    return tokenizer(text[text.index(mark) + len(mark):] + "<answer>",
+                     add_special_tokens=False).input_ids
 
 
 def student_prompt(question: str) -> str:
@@ -272,12 +300,14 @@ def grading_faults() -> dict:
 
 
 def engine_len(tok, questions: list[str], student_max_tokens: int,
-               teacher_max_tokens: int = 0) -> int:
+               teacher_max_tokens: int = 0, answer_prompt: list[int] = ()) -> int:
     """The engines' context: the student prompt around the longest question (a teacher sample may
-    be one) plus a completion, or the teacher prompt plus a teacher sample; 16 tokens of slack."""
+    be one) plus a completion, or the teacher prompt (and a two-turn teacher's answer_prompt) plus a
+    teacher sample; 16 tokens of slack."""
     longest = max([len(tok(q).input_ids) for q in questions] + [teacher_max_tokens])
     student = len(tok(student_prompt("")).input_ids) + longest + student_max_tokens
-    teacher = len(teacher_prompt(tok)) + teacher_max_tokens if teacher_max_tokens else 0
+    teacher = (len(teacher_prompt(tok)) + len(answer_prompt) + teacher_max_tokens
+               if teacher_max_tokens else 0)
     return max(student, teacher) + 16
 
 

@@ -465,14 +465,18 @@ def serve(path: str, llm) -> None:
 
 def teacher_questions(path: str, cfg: Config, seed: int, llm, tok) -> list[dict]:
     """cfg.teacher_questions questions of the teacher in `path`, with SOAR's teacher prompt and
-    format filter (METHOD.md "Evaluation protocol": same prompt and filter)."""
+    format filter (METHOD.md "Evaluation protocol": same prompt and filter), in two turns if it was
+    trained so (answer_form)."""
     serve(path, llm)
     seeds = [launch.seed_of(seed, "eval", "teacher", i) for i in range(TEACHER_ROUNDS)]
+    form = answer_form(path)
     kept, _ = rloo.sample_until(llm, data.teacher_prompt(tok), need=cfg.teacher_questions,
                                 parse=data.parse_teacher_batch, round_seeds=seeds,
                                 max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,
                                 what=f"the format filter of data.TEACHER_PROMPT ({path})",
-                                group=dist.group.WORLD)
+                                group=dist.group.WORLD,
+                                answer_prompt=data.answer_prompt(tok, form) if form else None,
+                                stop=data.QUESTION_STOP)
     return [{"question": q, "answer": a} for _, (q, a) in kept]
 
 
@@ -535,6 +539,13 @@ def serl_kept(questions: list[str], votes: list[tuple[str | None, float]],
     return [{"question": q, "answer": answer, "share": share}
             for q, (answer, share) in zip(questions, votes)
             if answer is not None and cfg.serl_low <= share <= cfg.serl_high]
+
+
+def answer_form(path: str) -> str | None:
+    """The p' form (data.answer_prompt) of the teacher in `path` if soar.py trained it in two turns
+    (--teacher_turns 2, its run's config); None for one turn and for any other model."""
+    config = soar_config(os.path.dirname(path)) if os.path.basename(path) == "teacher" else None
+    return config["answer_prompt"] if config and config.get("teacher_turns", 1) == 2 else None
 
 
 # ---- one run folder ----
@@ -681,15 +692,17 @@ def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False,
           engine_share: float | None = None, served=(), fewshot_from=()):
     """mesh (one FSDP mesh over all ranks: the student is sharded over all, each rank's engine makes
     its share), tokenizer and a per-rank engine fitting the longest question plus a completion and,
-    if `teacher`, a teacher prompt plus its sample and such a sample as a question; with
-    `fewshot_from` (SeRL's seed set), a few-shot prompt of its longest questions and of its own
-    written ones, plus a sample. The engine serves adapters of up to --lora_rank and of the PEFT
-    folders among the paths `served`."""
+    if `teacher`, a teacher prompt (and the p' of a two-turn teacher among `served`) plus its sample
+    and such a sample as a question; with `fewshot_from` (SeRL's seed set), a few-shot prompt of its
+    longest questions and of its own written ones, plus a sample. The engine serves adapters of up
+    to --lora_rank and of the PEFT folders among the paths `served`."""
     _, world_size, device = rloo.init_distributed()
     mesh = init_device_mesh(device.type, (world_size,))
     tok = launch.tokenizer(cfg.model)
+    answer_prompts = [data.answer_prompt(tok, f) for f in map(answer_form, served) if f]
     seq_len = data.engine_len(tok, [q["question"] for qs in question_sets for q in qs],
-                              cfg.student_max_tokens, cfg.teacher_max_tokens if teacher else 0)
+                              cfg.student_max_tokens, cfg.teacher_max_tokens if teacher else 0,
+                              max(answer_prompts, key=len, default=[]))
     if fewshot_from and cfg.serl_shots:   # (its own written questions: a sample each, at most)
         longest = sorted((q["question"] for q in fewshot_from),
                          key=lambda q: len(tok(q).input_ids))[-cfg.serl_shots:]

@@ -741,8 +741,10 @@ def open_folder(cfg, tok, world_size: int, trains_students: bool) -> tuple[list[
     made = not os.path.exists(cfg.out)
     lock_folder(cfg.out)   # a second run on the folder is refused at once
     hard = problems(cfg.train)   # one list: rank 0 drops what times out
+    # a two-turn teacher's samples hold p' too (soar.answer_prompt)
+    answer_prompt = data.answer_prompt(tok, cfg.answer_prompt) if cfg.teacher_turns == 2 else []
     seq_len = data.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
-                              cfg.teacher_max_tokens)
+                              cfg.teacher_max_tokens, answer_prompt)
     gpu = torch.cuda.is_available()
     gpu_gib = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
                / rloo.GIB if gpu else None)

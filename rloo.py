@@ -333,24 +333,27 @@ class Sample:
     logprobs: list[float] | None = None   # the engine's, of each sampled token (generate(logprobs))
 
 
-def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_tokens: int,
+def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_tokens: int | list,
              seed: int, group=None, adapters: list | None = None, logprobs: bool = False,
-             meter: Meter | None = None) -> list[list[Sample]]:
+             stop: str | None = None, meter: Meter | None = None) -> list[list[Sample]]:
     """result[i] = the n samples of prompts[i] (a string or token ids); with a group, prompts are
     split over its ranks and every rank returns the full list. Request i has seed + i * n (i
     global): results do not depend on the split, and no two samples of the call share a seed (vLLM
     seeds child j of a request with its seed + j; with seed + i, child j + 1 of request i and child
     j of request i + 1 were the same draw, the same completion for a repeated prompt). Request i is
     served by adapters[i] (LoRA: several adapters in one call), else by what was synced last.
-    `logprobs`: keep the engine's log-prob of each sampled token."""
+    `logprobs`: keep the engine's log-prob of each sampled token. `max_tokens`: one for all, or one
+    per prompt; `stop`: a string that ends a completion (kept in its text)."""
     from vllm import SamplingParams   # (see build_engine)
     rank = dist.get_rank(group) if group is not None else 0
     world = dist.get_world_size(group) if group is not None else 1
     lo, hi = chunk(len(prompts), rank, world)
     inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts[lo:hi]]
     greedy = temperature == 0   # vLLM refuses n > 1 when greedy: sample once, repeat n times
-    params = [SamplingParams(n=1 if greedy else n, temperature=temperature, max_tokens=max_tokens,
-                             seed=seed + i * n, logprobs=0 if logprobs else None)
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [SamplingParams(n=1 if greedy else n, temperature=temperature, max_tokens=limits[i],
+                             seed=seed + i * n, logprobs=0 if logprobs else None,
+                             stop=stop, include_stop_str_in_output=stop is not None)
               for i in range(lo, hi)]
     lora = adapters[lo:hi] if adapters is not None else llm.adapter
     outs = llm.generate(inputs, params, lora_request=lora, use_tqdm=False) if inputs else []
@@ -365,29 +368,67 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
 
 
 def sample_until(llm, prompt, *, need: int, parse, round_seeds: list[int], max_tokens: int,
-                 temperature: float, what: str, group=None,
-                 meter: Meter | None = None) -> tuple[list, int]:
+                 temperature: float, what: str, group=None, answer_prompt: list[int] | None = None,
+                 stop: str = "", meter: Meter | None = None) -> tuple[list, int]:
     """Rejection sampling from the weights in the engine: sample, keep what `parse` (texts -> a
     value or None each, split over the ranks) accepts, sample again for the shortfall, one round per
     seed of round_seeds. Exact for RLOO: the kept samples are draws of the policy conditioned on
     passing the filter (METHOD.md "Teacher update"). Returns the first `need` (Sample, value) in
-    sampling order and the number of samples drawn; too few ends the run, naming `what`."""
+    sampling order and the number of samples drawn; too few ends the run, naming `what`. With
+    an answer_prompt, a sample is two turns (sample_turns), a (Sample, Sample), read as one text."""
     kept = []
     sampled = 0
     for seed in round_seeds:
         todo = need - len(kept)
         # oversample by the valid rate seen so far (at least 1x, at most 8x)
         k = todo if not kept else min(8 * todo, int(todo * sampled / len(kept) * 1.2) + 1)
-        outs = generate(llm, [prompt] * k, temperature=temperature, max_tokens=max_tokens,
-                        seed=seed, group=group, meter=meter)
-        samples = [o[0] for o in outs]
-        values = split_map(parse, [s.text for s in samples], group)
+        if answer_prompt is None:
+            samples = [o[0] for o in generate(llm, [prompt] * k, temperature=temperature,
+                                              max_tokens=max_tokens, seed=seed, group=group,
+                                              meter=meter)]
+            texts = [s.text for s in samples]
+        else:
+            samples, texts = sample_turns(llm, prompt, k, answer_prompt=answer_prompt, stop=stop,
+                                          temperature=temperature, max_tokens=max_tokens,
+                                          seed=seed, group=group, meter=meter)
+        values = split_map(parse, texts, group)
         sampled += k
         kept += [(s, v) for s, v in zip(samples, values) if v is not None]
         if len(kept) >= need:
             return kept[:need], sampled
     raise RuntimeError(f"only {len(kept)} of {need} samples passed {what} in {sampled} samples "
                        f"({len(round_seeds)} rounds)")
+
+
+def sample_turns(llm, prompt, k: int, *, answer_prompt: list[int], stop: str, max_tokens: int,
+                 temperature: float, seed: int, group=None,
+                 meter: Meter | None = None) -> tuple[list[tuple], list[str]]:
+    """k two-turn samples (METHOD.md "Two-turn teacher"): turn 1 from `prompt` until the string
+    `stop`, turn 2 from prompt + turn 1 + answer_prompt (token ids) with what turn 1 left of
+    max_tokens; request i of turn 1 has seed + i, of turn 2 seed + k + i. Returns each sample's
+    turns, (turn 1, turn 2), and its text: turns 1 and 2 with answer_prompt between, as decoded by
+    the engine's tokenizer; a turn 1 that did not reach `stop` has no turn 2 and the text ""."""
+    firsts = [o[0] for o in generate(llm, [prompt] * k, temperature=temperature,
+                                     max_tokens=max_tokens, seed=seed, stop=stop, group=group,
+                                     meter=meter)]
+    closed = [i for i, s in enumerate(firsts)
+              if s.text.endswith(stop) and len(s.token_ids) < max_tokens]
+    seconds = generate(llm, [list(prompt) + firsts[i].token_ids + answer_prompt for i in closed],
+                       temperature=temperature,
+                       max_tokens=[max_tokens - len(firsts[i].token_ids) for i in closed],
+                       seed=seed + k, group=group, meter=meter)
+    samples = [(s,) for s in firsts]
+    texts = [""] * k
+    decode = llm.get_tokenizer().decode
+    for i, out in zip(closed, seconds):
+        samples[i] = (firsts[i], out[0])
+        texts[i] = decode(firsts[i].token_ids + answer_prompt) + out[0].text
+    return samples, texts
+
+
+def turns(sample) -> tuple:
+    """the Samples of what sample_until kept: the one, or a two-turn sample's two"""
+    return sample if isinstance(sample, tuple) else (sample,)
 
 
 def count_correct(llm, problems: list[dict], *, prompt, correct, n: int, max_tokens: int,

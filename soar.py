@@ -65,6 +65,11 @@ class Config:
                                                                   "opensir"))
     learnability_samples: int = launch.flag(32, world=8,
         help="learnability, opensir: samples per question for its solve rate", least=1)
+    teacher_turns: int = launch.flag(1, "1: the teacher writes a question and its answer in one "
+        "reply; 2: the question, then the answer in a second turn (METHOD.md \"Two-turn teacher\")",
+        choices=(1, 2))
+    answer_prompt: str = launch.flag("chat", world="tag", help="with --teacher_turns 2, the prompt "
+        "p' between question and answer (data.answer_prompt)", choices=data.ANSWER_PROMPTS)
     max_rejection_rounds: int = launch.flag(8,
         "teacher sampling rounds before giving up on g*n valid pairs", least=1)
     # ---- inner loop (METHOD.md "Inner loop"): S = inner_steps + inner_step_inc *
@@ -265,7 +270,8 @@ def main(cfg: Config):
 def teacher_samples(cfg: Config, run, step: int) -> tuple[list, int]:
     """Steps 1-2: g*n valid pairs from the teacher, by rejection sampling on all W engines
     (METHOD.md "Format filter"); round i draws from seed_of(seed, step, "teacher", i). Returns the
-    kept (Sample, (question, answer)) in sampling order and the number of samples drawn."""
+    kept (Sample, (question, answer)) in sampling order and the number of samples drawn; with
+    --teacher_turns 2, a sample is its two turns (rloo.sample_turns), filtered as one text."""
     with run.meter.timed("teacher_generation"):
         with run.meter.timed("sync"):
             rloo.sync_weights(run.teacher, run.llm)
@@ -276,7 +282,13 @@ def teacher_samples(cfg: Config, run, step: int) -> tuple[list, int]:
                                  parse=data.parse_teacher_batch, round_seeds=seeds,
                                  max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,
                                  what=TEACHER_FILTER.format(step=step), group=dist.group.WORLD,
-                                 meter=run.meter)
+                                 answer_prompt=answer_prompt(cfg, run.tok),
+                                 stop=data.QUESTION_STOP, meter=run.meter)
+
+
+def answer_prompt(cfg: Config, tok) -> list[int] | None:
+    """p' of the two-turn teacher (--teacher_turns 2, data.answer_prompt); None: one turn"""
+    return data.answer_prompt(tok, cfg.answer_prompt) if cfg.teacher_turns == 2 else None
 
 
 def split_datasets(pairs: list, g: int) -> list[list]:
@@ -409,11 +421,13 @@ def promote(cfg: Config, run, chosen, snaps) -> dict:
 
 def teacher_update(cfg: Config, run, kept: list, R_k: list[float]) -> dict:
     """Step 8 (METHOD.md "Teacher update"): one RLOO update of the teacher, every completion of X_k
-    with A_k, each rank on its share of the g*n samples"""
+    with A_k (a two-turn sample: both turns, so its log-prob is the sum of theirs), each rank on
+    its share of the g*n samples"""
     n = cfg.dataset_size
     with run.meter.timed("teacher_update"):
         adv = teacher_advantages(R_k)
-        rows = rloo.my_share([(s, adv[i // n]) for i, (s, _) in enumerate(kept)])
+        rows = rloo.my_share([(turn, adv[i // n]) for i, (s, _) in enumerate(kept)
+                              for turn in rloo.turns(s)])
         return rloo.train_step(run.teacher, [s.prompt_token_ids for s, _ in rows],
                                [s.token_ids for s, _ in rows], [a for _, a in rows],
                                loss=rloo.rloo_loss, temperature=cfg.temperature,

@@ -226,6 +226,26 @@ def test_majority_labels_count_equal_answers_by_math_verify():
     assert (c, share_c) == (None, 0.0)
 
 
+def test_answer_prompt_is_a_second_user_turn():
+    """p' "chat" (METHOD.md "Two-turn teacher"): what the template puts after the teacher's first
+    reply, a user turn asking for the answer, then the answer tag opened; no BOS; the filter reads
+    question, p' and answer as one reply"""
+    tok = llama_like_tokenizer()
+    ids = data.answer_prompt(tok, "chat")
+    text = tok.decode(ids)
+    assert tok.bos_token_id not in ids and text.endswith("<answer>")
+    whole = tok.apply_chat_template(
+        [{"role": "user", "content": data.TEACHER_PROMPT}, {"role": "assistant", "content": "Q"},
+         {"role": "user", "content": data.ANSWER_PROMPT}], tokenize=False,
+        add_generation_prompt=True, date_string=data.TEMPLATE_DATE)
+    assert whole.endswith("Q" + text.removesuffix("<answer>"))
+    assert data.parse_teacher_batch(["2 + 3 = 5. <question>What is 2 + 3?</question>" + text
+                                     + "\\boxed{5}</answer>"]) == [("What is 2 + 3?", "5")]
+    assert tok.decode(data.answer_prompt(tok, "tag")) == data.WORLD_ANSWER_CUE
+    with pytest.raises(ValueError, match="'turn'"):
+        data.answer_prompt(tok, "turn")
+
+
 # ---- datasets ----
 def test_load_jsonl_and_errors(tmp_path):
     f = tmp_path / "ok.jsonl"

@@ -394,6 +394,18 @@ def test_parse_args_world_defaults_and_paper_settings(tmp_path):
         ev.main(["row", "pq", "ps", "--soar", "/nonexistent", "--runs", str(tmp_path / "runs")])
 
 
+def test_a_two_turn_teacher_is_sampled_in_two_turns(tmp_path):
+    """answer_form: the p' of a soar.py run's teacher trained with --teacher_turns 2 (its run's
+    config), which teacher_questions samples it with; None for one turn and for any other model"""
+    for turns, out in ((2, "tag"), (1, None)):
+        run = tmp_path / f"turns{turns}"
+        data.write_json(str(run / "ckpt" / "step-3" / "state.json"),
+                        {"config": {"teacher_turns": turns, "answer_prompt": "tag"}})
+        assert ev.answer_form(str(run / "teacher")) == out
+        assert ev.answer_form(str(run / "student")) is None
+    assert ev.answer_form(str(tmp_path / "model")) is None
+
+
 def test_soar_output_of_another_base_model_is_refused(tmp_path):
     write(str(tmp_path / "soar" / "pq.jsonl"), {"question": "q", "answer": "1", "step": 0})
     write(str(tmp_path / "soar" / "ckpt" / "step-1" / "state.json"),

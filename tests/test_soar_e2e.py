@@ -198,3 +198,41 @@ def test_lora_run_writes_adapters_only(lora_runs):
         assert (folder / "adapter_model.safetensors").exists() and \
             not (folder / "model.safetensors").exists()
         assert json.loads((folder / "soar.json").read_text()) == {"step": 3, "promotions": 3}
+
+
+def test_two_turn_teacher_trains_both_turns(tmp_path):
+    """--teacher_turns 2 (METHOD.md "Two-turn teacher"): step 0's kept pairs, sampled again here
+    from the base model with the run's seeds and p', are the run's questions.jsonl rows; the tokens
+    the teacher update trained are both turns' of each pair (turn 1 alone would be fewer), and its
+    loss is the RLOO loss over both turns' tokens with the pair's A_k (no KL at step 0: the
+    teacher is still its reference)."""
+    import subprocess
+    out = tmp_path / "two"
+    p = soar(out, "--teacher_turns", "2", "--outer_steps", "1")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    m = rows(out / "metrics.jsonl")[0]
+    code = ("import json, sys, data, launch, rloo, world; rloo.init_distributed(); "
+            "model = world.build_world(small=True)['model']; tok = launch.tokenizer(model); "
+            "llm = rloo.build_engine(model, max_model_len=320); "
+            "seeds = [launch.seed_of(0, 0, 'teacher', i) for i in range(8)]; "
+            "kept, _ = rloo.sample_until(llm, data.teacher_prompt(tok), need=8, "
+            "parse=data.parse_teacher_batch, round_seeds=seeds, max_tokens=96, temperature=1.0, "
+            "what='', answer_prompt=data.answer_prompt(tok, 'tag'), stop=data.QUESTION_STOP); "
+            "print('KEPT', json.dumps([[pair, [[len(t.prompt_token_ids), len(t.token_ids)] "
+            "for t in s]] for s, pair in kept]))")
+    g = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert g.returncode == 0, g.stderr[-3000:]
+    kept = json.loads(g.stdout.split("KEPT ", 1)[1])
+    assert [pair for pair, _ in kept] == [[r["question"], r["answer"]]
+                                          for r in rows(out / "questions.jsonl")]
+    assert all(len(turns) == 2 for _, turns in kept)
+    trained = sum(prompt + new for _, turns in kept for prompt, new in turns)
+    assert m["tokens/trained/teacher_update"] == trained
+    assert trained > sum(prompt + new for _, turns in kept for prompt, new in turns[:1])
+    R_k = m["R_k"]
+    adv = [R_k[0] - R_k[1], R_k[1] - R_k[0]]   # g = 2: A_k = R_k - the other's
+    tokens = [sum(new for _, new in turns) for _, turns in kept]
+    pg = -sum(adv[i // 4] * t for i, t in enumerate(tokens)) / sum(tokens)   # n = 4 per dataset
+    assert m["teacher_kl"] == pytest.approx(0, abs=1e-6)
+    assert m["teacher_loss"] == pytest.approx(pg, abs=1e-6)
