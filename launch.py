@@ -534,8 +534,6 @@ def wandb_records(path: str):
             part = b""
 
 
-
-
 # -----------------------------------------------------------------------------
 # SOAR's run (soar.py): what makes it start, resume and leave outputs. soar.py calls start(), then
 # for each outer step steps() and commit(), then finish(); the method reads the SoarRun's fields.
@@ -839,4 +837,3 @@ def announce(cfg, world_size: int, G: int, n_params: int, n_trained: int,
     if rloo.rank0() and free < 32 * n_trained:
         print(f"soar.py: warning: {size(free)} free in {cfg.out}, less than two checkpoints "
               f"({size(32 * n_trained)}): a save may fail", file=sys.stderr)
-
