@@ -591,7 +591,7 @@ def student_step(cfg: Config, row: Row, seed: int, step: int, policy, llm, tok, 
     """One RLOO step of a fresh student on its sampler's questions (SeRL: and on the questions it
     writes, self_instruct()): the step's metrics row."""
     t0 = time.perf_counter()
-    meter = rloo.Meter()   # this step's only (not the evaluation's nor another run's)
+    rloo.METER.reset()   # this step's counts only (not the evaluation's nor another run's)
     faults = data.grading_faults()
     source, pool, idx = batch_at(step, synthetic, real, cfg, seed)
     portfolio = None
@@ -606,20 +606,21 @@ def student_step(cfg: Config, row: Row, seed: int, step: int, policy, llm, tok, 
     written = {}
     if row.self_instruct:   # the questions are written by the weights of this step
         rloo.sync_weights(policy, llm)
-        written = self_instruct(cfg, seed, step, llm, tok, real, metrics)
+        with rloo.timed("self_instruct"):   # its tokens: tokens/generated/self_instruct
+            written = self_instruct(cfg, seed, step, llm, tok, real, metrics)
         batch += [(q["question"], q["answer"]) for q in written["generated"]]
     stats = rloo.rl_step(policy, llm, batch, prompt=data.student_prompt, reward=data.grade,
                          samples=cfg.student_samples, temperature=getattr(cfg, row.temperature),
                          max_tokens=cfg.student_max_tokens, group=dist.group.WORLD,
                          seed=launch.seed_of(seed, "student", step),
                          micro_batch_tokens=cfg.micro_batch_tokens, advantages=row.advantages,
-                         loss=rloo.rloo_loss, train_temperature=row.train_temperature, meter=meter)
+                         loss=rloo.rloo_loss, train_temperature=row.train_temperature)
     sample_rewards = stats.pop("rewards")
     stats["accuracy"] = statistics.fmean(r == data.R_CORRECT for r in sample_rewards)
     return {"step": step, "source": source, "questions": idx, "portfolio": portfolio, **stats,
             **written, "nontrivial_share": statistics.fmean(stats["nontrivial"]),
             "skipped_updates": 0,
-            **launch.step_counts(meter, faults), "sampler_seconds": round(sampler_s, 4),
+            **launch.step_counts(faults), "sampler_seconds": round(sampler_s, 4),
             "seconds": round(time.perf_counter() - t0, 3)}
 
 

@@ -431,23 +431,23 @@ def peak_flops() -> float | None:
     return next((1e12 * v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def step_counts(meter: rloo.Meter, faults_before: dict) -> dict:
-    """A step's counts over all ranks: the meter's (tokens per phase, skipped updates) and the
+def step_counts(faults_before: dict) -> dict:
+    """A step's counts over all ranks: rloo.METER's (tokens per phase, skipped updates) and the
     grading faults since `faults_before` (data.grading_faults() at the step's start)."""
     for kind, n in data.grading_faults().items():
-        meter.counts[kind] = n - faults_before[kind]
-    return {"skipped_updates": 0, **meter.gathered()}
+        rloo.METER.counts[kind] = n - faults_before[kind]
+    return {"skipped_updates": 0, **rloo.METER.gathered()}
 
 
-def throughput(meter: rloo.Meter, faults_before: dict, flops_per_trained_token: float) -> dict:
+def throughput(faults_before: dict, flops_per_trained_token: float) -> dict:
     """step_counts, then tokens/s per GPU of each phase and, on a GPU of known peak, the MFU of
     each training phase"""
-    row = step_counts(meter, faults_before)
+    row = step_counts(faults_before)
     W = dist.get_world_size()
     peak = peak_flops()
     for phase in sorted({k.split("/")[2] for k in row if k.startswith("tokens/")}):
         n = sum(v for k, v in row.items() if k.startswith("tokens/") and k.endswith("/" + phase))
-        secs = max(meter.seconds[phase], 1e-9)
+        secs = max(rloo.METER.seconds[phase], 1e-9)
         row[f"perf/tokens_per_s_per_gpu/{phase}"] = round(n / secs / W, 1)
         if peak and f"tokens/trained/{phase}" in row:
             flops = flops_per_trained_token * row[f"tokens/trained/{phase}"]
@@ -559,7 +559,6 @@ class SoarRun:
     state: dict                 # what a checkpoint holds besides the weights
     n_params: int
     wandb: dict                 # rank 0 with --wandb: the W&B run (track); else empty
-    meter: rloo.Meter = dataclasses.field(default_factory=rloo.Meter)   # this step's phases
     step_start: tuple = ()      # (time, data.grading_faults()) at this step's start (steps)
 
 
@@ -590,11 +589,11 @@ def start(cfg, trains_students: bool) -> SoarRun | None:
 
 
 def steps(cfg, run: SoarRun):
-    """The outer steps still to run, behind a progress bar (rank 0); each starts a fresh meter"""
+    """The outer steps still to run, behind a progress bar (rank 0); each resets rloo.METER"""
     first = run.state["step"]
     for step in tqdm(range(first, cfg.outer_steps), initial=first, total=cfg.outer_steps,
                      disable=not rloo.rank0(), desc="SOAR", dynamic_ncols=True):
-        run.meter = rloo.Meter()
+        rloo.METER.reset()
         run.step_start = (time.perf_counter(), data.grading_faults())
         yield step
 
@@ -607,7 +606,7 @@ def commit(cfg, run: SoarRun, rows: dict, promoted: bool, line) -> None:
     and student/. Last, line(metrics row) on the console."""
     t0, faults_before = run.step_start
     (row,) = rows["metrics.jsonl"]
-    row.update({k: round(v, 3) for k, v in run.meter.seconds.items()})
+    row.update({k: round(v, 3) for k, v in rloo.METER.seconds.items()})
     row["total"] = round(time.perf_counter() - t0, 3)
     row.update(soar_throughput(cfg, run, faults_before))
     state = run.state
@@ -637,7 +636,7 @@ def soar_throughput(cfg, run: SoarRun, faults_before: dict) -> dict:
     reference's forward (attention and recomputation left out); with LoRA 4N and 6N (the frozen
     base gets no weight gradients; the adapters' FLOPs left out)."""
     flops_per_token = (4 if cfg.lora_rank else 6) + 2 * (cfg.kl_coef > 0)
-    return throughput(run.meter, faults_before, flops_per_token * run.n_params)
+    return throughput(faults_before, flops_per_token * run.n_params)
 
 
 def save_soar_folders(cfg, run: SoarRun) -> None:

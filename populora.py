@@ -290,7 +290,7 @@ def main(cfg: Config):
     bar = tqdm(range(state["round"], cfg.rounds), initial=state["round"], total=cfg.rounds,
                disable=not rloo.rank0(), desc="PopuLoRA", dynamic_ncols=True)
     for rnd in bar:
-        meter = rloo.Meter()
+        rloo.METER.reset()   # the round's seconds by phase (rloo.timed)
         t_round = time.perf_counter()
         # 0. evolution, every evolve_every rounds, before the round: the lowest-rated member of
         # each population is replaced. Never after the last round, so every member a run ends
@@ -307,14 +307,14 @@ def main(cfg: Config):
         # 2. every teacher writes its problems (one engine call); the format filter and the
         # verifier say which are valid
         for policy in unique(run.teachers + run.students):
-            with meter.timed("sync"):
+            with rloo.timed("sync"):
                 rloo.sync_weights(policy, run.llm)
-        proposals = propose(cfg, run, rnd, meter)
+        proposals = propose(cfg, run, rnd)
         # 3. the matched students solve them (one engine call) and learn from the valid ones
         roles = trained_roles(cfg, rnd)
-        solves = solve_and_learn(cfg, run, rnd, pairs, proposals, meter, "students" in roles)
+        solves = solve_and_learn(cfg, run, rnd, pairs, proposals, "students" in roles)
         # 4. each teacher learns from its student's failures on its valid problems
-        teacher_stats = teach(cfg, run, proposals, solves, meter, "teachers" in roles)
+        teacher_stats = teach(cfg, run, proposals, solves, "teachers" in roles)
         # 5. ratings: a match's score is the student's solve rate (1 where nothing was valid),
         # its result a win, a loss or a draw (match_results)
         scores = [sum(s) / len(s) if s else 1.0 for s in valid_solves(solves)]
@@ -328,7 +328,7 @@ def main(cfg: Config):
                    student_ratings=[[round(x, 3) for x in r] for r in state["student_ratings"]],
                    trained=sorted(roles),
                    teacher_loss=[s and s["loss"] for s in teacher_stats], evolved=evolved,
-                   **{k: round(v, 3) for k, v in meter.seconds.items()},
+                   **{k: round(v, 3) for k, v in rloo.METER.seconds.items()},
                    total=round(time.perf_counter() - t_round, 3))
         questions = []   # the curriculum: every problem that passed every check
         for i, p in enumerate(proposals):
@@ -371,19 +371,18 @@ def unique(policies: list) -> list:
     return list({id(p): p for p in policies}.values())
 
 
-def propose(cfg: Config, run, rnd: int, meter: rloo.Meter) -> list[list]:
+def propose(cfg: Config, run, rnd: int) -> list[list]:
     """Step 2: per teacher, its `proposals` samples of the teacher prompt, each with its
     (question, answer) if valid, else None. Valid: past the format filter (METHOD.md "Format
     filter") and the verifier: on the built-in world its own checker (well-posed, the answer
     right); with --model, checked after solving (valid_solves)."""
     prompt = data.teacher_prompt(run.tok)
     n = cfg.proposals
-    with meter.timed("teacher_generation"):
+    with rloo.timed("teacher_generation"):
         outs = rloo.generate(run.llm, [prompt] * (n * len(run.teachers)), n=1,
                              temperature=cfg.temperature, max_tokens=cfg.teacher_max_tokens,
                              seed=launch.seed_of(cfg.seed, rnd, "teachers"), group=dist.group.WORLD,
-                             adapters=[t.served for t in run.teachers for _ in range(n)],
-                             meter=meter)
+                             adapters=[t.served for t in run.teachers for _ in range(n)])
         samples = [o[0] for o in outs]
         pairs = rloo.split_map(data.parse_teacher_batch, [s.text for s in samples],
                                dist.group.WORLD)
@@ -394,7 +393,7 @@ def propose(cfg: Config, run, rnd: int, meter: rloo.Meter) -> list[list]:
 
 
 def solve_and_learn(cfg: Config, run, rnd: int, pairs: list[int], proposals: list[list],
-                    meter: rloo.Meter, learn: bool = True) -> list[list[float]]:
+                    learn: bool = True) -> list[list[float]]:
     """Step 3: each student samples student_samples solutions of every valid problem of the
     teachers matched with it, all students in one engine call; then, if `learn`, one RLOO update
     each on the problems that stay valid (METHOD.md "Inner loop": the student's reward and
@@ -405,11 +404,11 @@ def solve_and_learn(cfg: Config, run, rnd: int, pairs: list[int], proposals: lis
     for i, p in enumerate(proposals):
         work += [(i, *v) for _, v in p if v is not None]
     policies = [run.students[pairs[i]] for i, _, _ in work]
-    with meter.timed("student_rollouts"):
+    with rloo.timed("student_rollouts"):
         outs = rloo.generate(run.llm, [data.student_prompt(q) for _, q, _ in work], n=k,
                              temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
                              seed=launch.seed_of(cfg.seed, rnd, "students"), group=dist.group.WORLD,
-                             adapters=[p.served for p in policies] if work else None, meter=meter)
+                             adapters=[p.served for p in policies] if work else None)
         flat = [(s, a) for o, (_, _, a) in zip(outs, work) for s in o]
         rewards = rloo.split_map(lambda share: data.grade([s.text for s, _ in share],
                                                           [a for _, a in share]),
@@ -419,12 +418,12 @@ def solve_and_learn(cfg: Config, run, rnd: int, pairs: list[int], proposals: lis
     # with --model the verifier is agreement: a problem stays valid if a solution reaches its answer
     keep = [run.checker is not None or r > 0 for r in rates]
     adv = rloo.rloo_advantages(table)
-    with meter.timed("student_training"):
+    with rloo.timed("student_training"):
         for policy in unique(run.students) if learn else []:
             rows = [(s, adv[w, c].item()) for w, o in enumerate(outs) for c, s in enumerate(o)
                     if policies[w] is policy and keep[w]]
             if rows:   # (the same on every rank) a student without a valid problem sits out
-                train(cfg, policy, rloo.my_share(rows), meter, cfg.student_lr)
+                train(cfg, policy, rloo.my_share(rows), cfg.student_lr)
     solves = [[] for _ in proposals]
     for (i, _, _), rate, ok in zip(work, rates, keep):
         solves[i].append(rate if ok else None)
@@ -445,23 +444,23 @@ def proposer_reward(cfg: Config, rate: float | None) -> float:
     return 1.0 - rate
 
 
-def teach(cfg: Config, run, proposals: list[list], solves: list[list], meter: rloo.Meter,
+def teach(cfg: Config, run, proposals: list[list], solves: list[list],
           learn: bool = True) -> list[dict | None]:
     """Step 4: if `learn`, one RLOO update per teacher over its proposals, rewarded by
     proposer_reward; its stats per teacher (None where none took place)."""
     stats = []
-    with meter.timed("teacher_update"):
+    with rloo.timed("teacher_update"):
         for i, teacher in enumerate(run.teachers if learn else []):
             rates = iter(solves[i])
             rewards = [proposer_reward(cfg, next(rates) if v is not None else None)
                        for _, v in proposals[i]]
             adv = rloo.rloo_advantages(torch.tensor(rewards, dtype=torch.float64)).tolist()
             rows = rloo.my_share([(s, a) for (s, _), a in zip(proposals[i], adv)])
-            stats.append(train(cfg, teacher, rows, meter, cfg.teacher_lr))
+            stats.append(train(cfg, teacher, rows, cfg.teacher_lr))
     return stats or [None] * len(run.teachers)
 
 
-def train(cfg: Config, policy: rloo.Policy, rows: list, meter: rloo.Meter, lr: float) -> dict:
+def train(cfg: Config, policy: rloo.Policy, rows: list, lr: float) -> dict:
     """one rloo.train_step on this rank's (Sample, advantage) rows at the role's learning rate `lr`
     (the single agent's one adapter alternates roles, so its lr follows the role)"""
     for group in policy.optimizer.param_groups:
@@ -470,7 +469,7 @@ def train(cfg: Config, policy: rloo.Policy, rows: list, meter: rloo.Meter, lr: f
     return rloo.train_step(policy, [s.prompt_token_ids for s, _ in rows],
                            [s.token_ids for s, _ in rows], [a for _, a in rows],
                            loss=rloo.rloo_loss, temperature=cfg.temperature,
-                           micro_batch_tokens=cfg.micro_batch_tokens, meter=meter)
+                           micro_batch_tokens=cfg.micro_batch_tokens)
 
 
 def evolve(cfg: Config, run, rnd: int) -> dict:

@@ -206,11 +206,14 @@ def split_map(fn, items: list, group=None) -> list:
 # what a step spent: seconds per phase, and tokens and events counted under the open phase
 
 class Meter:
-    """Exclusive timers and counts of one step, held by the caller and passed to the engine calls:
-    time in a nested timed() block counts only for the inner key; count(kind, n) adds n under the
-    innermost open phase (kind "generated" or "trained": tokens; "skipped_updates")."""
+    """Exclusive timers and counts of one step: time in a nested timed() block counts only for
+    the inner key; count(kind, n) adds n under the innermost open phase (kind "generated" or
+    "trained": tokens; "skipped_updates")."""
 
     def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
         self.seconds = defaultdict(float)   # phase: seconds
         self.counts = defaultdict(int)      # "<kind>/<phase>": n, on this rank
         self._open = []                     # [phase, seconds spent in nested blocks]
@@ -243,6 +246,17 @@ class Meter:
                 else:
                     total[kind] += n
         return dict(sorted(total.items()))
+
+
+# The process's meter: generate and train_step count their tokens into it, under the phase their
+# caller opened with timed(phase); the caller reads it and resets it at the end of a step. No
+# timing object runs through the calls.
+METER = Meter()
+
+
+def timed(phase: str):
+    """with timed("sync"): ...: the block's seconds, and what it generates or trains, go to phase"""
+    return METER.timed(phase)
 
 
 # -----------------------------------------------------------------------------
@@ -335,7 +349,7 @@ class Sample:
 
 def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_tokens: int | list,
              seed: int, group=None, adapters: list | None = None, logprobs: bool = False,
-             stop: str | None = None, meter: Meter | None = None) -> list[list[Sample]]:
+             stop: str | None = None) -> list[list[Sample]]:
     """result[i] = the n samples of prompts[i] (a string or token ids); with a group, prompts are
     split over its ranks and every rank returns the full list. Request i has seed + i * n (i
     global): results do not depend on the split, and no two samples of the call share a seed (vLLM
@@ -360,8 +374,7 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
     mine = [[Sample(c.text, list(c.token_ids), list(o.prompt_token_ids),
                     [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if logprobs else None)
              for c in (o.outputs * n if greedy else o.outputs)] for o in outs]
-    if meter is not None:
-        meter.count("generated", sum(len(c.token_ids) for o in outs for c in o.outputs))
+    METER.count("generated", sum(len(c.token_ids) for o in outs for c in o.outputs))
     if world == 1:
         return mine
     return [s for part in all_gather(mine, group) for s in part]
@@ -369,7 +382,7 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
 
 def sample_until(llm, prompt, *, need: int, parse, round_seeds: list[int], max_tokens: int,
                  temperature: float, what: str, group=None, answer_prompt: list[int] | None = None,
-                 stop: str = "", meter: Meter | None = None) -> tuple[list, int]:
+                 stop: str = "") -> tuple[list, int]:
     """Rejection sampling from the weights in the engine: sample, keep what `parse` (texts -> a
     value or None each, split over the ranks) accepts, sample again for the shortfall, one round per
     seed of round_seeds. Exact for RLOO: the kept samples are draws of the policy conditioned on
@@ -384,13 +397,12 @@ def sample_until(llm, prompt, *, need: int, parse, round_seeds: list[int], max_t
         k = todo if not kept else min(8 * todo, int(todo * sampled / len(kept) * 1.2) + 1)
         if answer_prompt is None:
             samples = [o[0] for o in generate(llm, [prompt] * k, temperature=temperature,
-                                              max_tokens=max_tokens, seed=seed, group=group,
-                                              meter=meter)]
+                                              max_tokens=max_tokens, seed=seed, group=group)]
             texts = [s.text for s in samples]
         else:
             samples, texts = sample_turns(llm, prompt, k, answer_prompt=answer_prompt, stop=stop,
                                           temperature=temperature, max_tokens=max_tokens,
-                                          seed=seed, group=group, meter=meter)
+                                          seed=seed, group=group)
         values = split_map(parse, texts, group)
         sampled += k
         kept += [(s, v) for s, v in zip(samples, values) if v is not None]
@@ -401,22 +413,20 @@ def sample_until(llm, prompt, *, need: int, parse, round_seeds: list[int], max_t
 
 
 def sample_turns(llm, prompt, k: int, *, answer_prompt: list[int], stop: str, max_tokens: int,
-                 temperature: float, seed: int, group=None,
-                 meter: Meter | None = None) -> tuple[list[tuple], list[str]]:
+                 temperature: float, seed: int, group=None) -> tuple[list[tuple], list[str]]:
     """k two-turn samples (METHOD.md "Two-turn teacher"): turn 1 from `prompt` until the string
     `stop`, turn 2 from prompt + turn 1 + answer_prompt (token ids) with what turn 1 left of
     max_tokens; request i of turn 1 has seed + i, of turn 2 seed + k + i. Returns each sample's
     turns, (turn 1, turn 2), and its text: turns 1 and 2 with answer_prompt between, as decoded by
     the engine's tokenizer; a turn 1 that did not reach `stop` has no turn 2 and the text ""."""
     firsts = [o[0] for o in generate(llm, [prompt] * k, temperature=temperature,
-                                     max_tokens=max_tokens, seed=seed, stop=stop, group=group,
-                                     meter=meter)]
+                                     max_tokens=max_tokens, seed=seed, stop=stop, group=group)]
     closed = [i for i, s in enumerate(firsts)
               if s.text.endswith(stop) and len(s.token_ids) < max_tokens]
     seconds = generate(llm, [list(prompt) + firsts[i].token_ids + answer_prompt for i in closed],
                        temperature=temperature,
                        max_tokens=[max_tokens - len(firsts[i].token_ids) for i in closed],
-                       seed=seed + k, group=group, meter=meter)
+                       seed=seed + k, group=group)
     samples = [(s,) for s in firsts]
     texts = [""] * k
     decode = llm.get_tokenizer().decode
@@ -433,7 +443,7 @@ def turns(sample) -> tuple:
 
 def count_correct(llm, problems: list[dict], *, prompt, correct, n: int, max_tokens: int,
                   seed: int, temperature: float = 1.0, group=None, chunk_prompts: int = 0,
-                  adapters: list | None = None, meter: Meter | None = None) -> list[int]:
+                  adapters: list | None = None) -> list[int]:
     """How many of n samples of prompt(question) are correct(completions, answers) per problem
     ({"question", "answer"}): greedy accuracy (n = 1, temperature 0), pass@k and fail@k all count
     this way. Sampled in chunks of prompts so 5000 x 128 samples never sit in memory at once;
@@ -445,7 +455,7 @@ def count_correct(llm, problems: list[dict], *, prompt, correct, n: int, max_tok
         part = problems[lo:lo + step]
         outs = generate(llm, [prompt(p["question"]) for p in part], n=n, temperature=temperature,
                         max_tokens=max_tokens, seed=seed + lo * n, group=group,
-                        adapters=adapters[lo:lo + step] if adapters else None, meter=meter)
+                        adapters=adapters[lo:lo + step] if adapters else None)
         pairs = [(s.text, p["answer"]) for o, p in zip(outs, part) for s in o]
         right = split_map(lambda share: correct([c for c, _ in share], [a for _, a in share]),
                           pairs, group)
@@ -697,7 +707,7 @@ def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
 
 def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                advantages: list[float], *, loss, temperature: float,
-               micro_batch_tokens: int = 16384, meter: Meter | None = None) -> dict:
+               micro_batch_tokens: int = 16384) -> dict:
     """One update on this rank's rows of the batch (every rank of policy.mesh calls it with its
     own): `loss` (rloo_loss) of the log-probs at `temperature` (the one sampled at: on-policy),
     summed over the micro-batches, divided by the completion tokens of the GLOBAL batch and, as FSDP
@@ -728,8 +738,7 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
         stats[1] += pg
         stats[2] += kl
     dist.all_reduce(stats[1:], group=group)
-    if meter is not None:
-        meter.count("trained", sum(map(len, prompt_ids)) + sum(map(len, completion_ids)))
+    METER.count("trained", sum(map(len, prompt_ids)) + sum(map(len, completion_ids)))
     if policy.adapter is not None:
         _average_gradients(list(policy.adapter.values()), group)
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable(policy).values(), policy.grad_clip)
@@ -745,8 +754,7 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
     policy.optimizer.zero_grad(set_to_none=True)
     policy.nonfinite = 0 if finite else policy.nonfinite + 1
     if not finite:
-        if meter is not None:
-            meter.count("skipped_updates")
+        METER.count("skipped_updates")
         msg = f"non-finite loss {pg_loss}, KL {kl} or gradient norm {grad_norm.item()}"
         if policy.nonfinite >= MAX_NONFINITE:
             raise RuntimeError(f"{msg} in {policy.nonfinite} updates in a row: stopping "
@@ -782,8 +790,8 @@ def rl_step(policy: Policy, llm, batch: list[tuple[str, str]], **kwargs) -> dict
 
 def rl_steps(policies: list[Policy], llm, batches: list[list[tuple[str, str]]], *, prompt, reward,
              samples: int, temperature: float, max_tokens: int, seed: int, group,
-             micro_batch_tokens: int, advantages, loss, train_temperature: float | None = None,
-             meter: Meter | None = None) -> list[dict]:
+             micro_batch_tokens: int, advantages, loss,
+             train_temperature: float | None = None) -> list[dict]:
     """One RL step of each policy on its batch of (question, answer) pairs (METHOD.md "Inner loop";
     also eval.py's fresh students): sync, sample `samples` completions of prompt(question) per
     question on the group's engines, all policies in one engine call (LoRA: each request served by
@@ -793,15 +801,14 @@ def rl_steps(policies: list[Policy], llm, batches: list[list[tuple[str, str]]], 
     sampling one). Phases: sync, student_rollouts (sampling and scoring). Returns, per policy,
     train_step's stats, the mean `reward`, `rewards` (flat, question by question) and
     `nontrivial`: per question, did its rewards vary."""
-    meter = meter or Meter()
-    with meter.timed("sync"):
+    with timed("sync"):
         for policy in policies:
             sync_weights(policy, llm)
-    with meter.timed("student_rollouts"):
+    with timed("student_rollouts"):
         pairs = [pair for batch in batches for pair in batch]
         outs = generate(llm, [prompt(q) for q, _ in pairs], n=samples, temperature=temperature,
                         max_tokens=max_tokens, seed=seed, group=group,
-                        adapters=adapters_of(policies, [len(b) for b in batches]), meter=meter)
+                        adapters=adapters_of(policies, [len(b) for b in batches]))
         flat = [(smp, a) for o, (_, a) in zip(outs, pairs) for smp in o]
         rewards = split_map(lambda share: reward([s.text for s, _ in share], [a for _, a in share]),
                             flat, group)
@@ -816,8 +823,7 @@ def rl_steps(policies: list[Policy], llm, batches: list[list[tuple[str, str]]], 
         rows = my_share([(smp, a) for (smp, _), a in zip(flat[lo:hi], adv)], group)
         stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows],
                            [smp.token_ids for smp, _ in rows], [a for _, a in rows], loss=loss,
-                           temperature=train_temperature, micro_batch_tokens=micro_batch_tokens,
-                           meter=meter)
+                           temperature=train_temperature, micro_batch_tokens=micro_batch_tokens)
         policy_rewards = rewards[lo:hi]
         results.append({**stats, "reward": sum(policy_rewards) / len(policy_rewards),
                         "rewards": policy_rewards,

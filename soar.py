@@ -272,8 +272,8 @@ def teacher_samples(cfg: Config, run, step: int) -> tuple[list, int]:
     (METHOD.md "Format filter"); round i draws from seed_of(seed, step, "teacher", i). Returns the
     kept (Sample, (question, answer)) in sampling order and the number of samples drawn; with
     --teacher_turns 2, a sample is its two turns (rloo.sample_turns), filtered as one text."""
-    with run.meter.timed("teacher_generation"):
-        with run.meter.timed("sync"):
+    with rloo.timed("teacher_generation"):
+        with rloo.timed("sync"):
             rloo.sync_weights(run.teacher, run.llm)
         seeds = [launch.seed_of(cfg.seed, step, "teacher", i)
                  for i in range(cfg.max_rejection_rounds)]
@@ -283,7 +283,7 @@ def teacher_samples(cfg: Config, run, step: int) -> tuple[list, int]:
                                  max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,
                                  what=TEACHER_FILTER.format(step=step), group=dist.group.WORLD,
                                  answer_prompt=answer_prompt(cfg, run.tok),
-                                 stop=data.QUESTION_STOP, meter=run.meter)
+                                 stop=data.QUESTION_STOP)
 
 
 def answer_prompt(cfg: Config, tok) -> list[int] | None:
@@ -318,16 +318,16 @@ def baseline_accuracy(cfg: Config, run, q_r: list[dict]) -> float:
 def accuracies(cfg: Config, run, questions: list[dict], policies: list):
     """Each policy's greedy accuracy (METHOD.md "Rewards": Acc is binary, greedy) on the group's
     engines, all in one engine call (several policies: LoRA adapters, rloo.adapters_of)."""
-    with run.meter.timed("sync"):
+    with rloo.timed("sync"):
         for policy in policies:
             rloo.sync_weights(policy, run.llm)
     M = len(questions)
-    with run.meter.timed("evaluation"):
+    with rloo.timed("evaluation"):
         counts = rloo.count_correct(run.llm, questions * len(policies), prompt=data.student_prompt,
                                     correct=data.solved, n=1, temperature=0.0,
                                     max_tokens=cfg.student_max_tokens, seed=0,
                                     adapters=rloo.adapters_of(policies, [M] * len(policies)),
-                                    group=run.mesh["fsdp"].get_group(), meter=run.meter)
+                                    group=run.mesh["fsdp"].get_group())
     return [sum(counts[b * M:(b + 1) * M]) / M for b in range(len(policies))]
 
 
@@ -356,7 +356,7 @@ def train_students(cfg: Config, run, wave: list[tuple[int, int]], step: Step) ->
                       seed=launch.seed_of(cfg.seed, step.index, "student", k, j, s),
                       group=run.mesh["fsdp"].get_group(),
                       micro_batch_tokens=cfg.micro_batch_tokens,
-                      advantages=rloo.rloo_advantages, loss=rloo.rloo_loss, meter=run.meter)
+                      advantages=rloo.rloo_advantages, loss=rloo.rloo_loss)
     return policies
 
 
@@ -384,7 +384,7 @@ def trained_accuracies(cfg: Config, run, step: Step):
     mine = my_students(cfg, run)
     waves = [mine[i:i + len(run.wave)] for i in range(0, len(mine), len(run.wave))]
     for wave in waves:
-        with run.meter.timed("student_training"):
+        with rloo.timed("student_training"):
             policies = train_students(cfg, run, wave, step)
         accs = accuracies(cfg, run, step.q_r, policies)
         for (k, j), policy, a in zip(wave, policies, accs):
@@ -414,7 +414,7 @@ def promote(cfg: Config, run, chosen, snaps) -> dict:
     theta = run.theta
     if run.mesh.get_local_rank("group") == src:
         theta = snaps[chosen] if chosen in snaps else rloo.snapshot(run.student)
-    with run.meter.timed("sync"):
+    with rloo.timed("sync"):
         rloo.broadcast_snapshot(theta, src, run.mesh["group"].get_group())
     return theta
 
@@ -424,14 +424,14 @@ def teacher_update(cfg: Config, run, kept: list, R_k: list[float]) -> dict:
     with A_k (a two-turn sample: both turns, so its log-prob is the sum of theirs), each rank on
     its share of the g*n samples"""
     n = cfg.dataset_size
-    with run.meter.timed("teacher_update"):
+    with rloo.timed("teacher_update"):
         adv = teacher_advantages(R_k)
         rows = rloo.my_share([(turn, adv[i // n]) for i, (s, _) in enumerate(kept)
                               for turn in rloo.turns(s)])
         return rloo.train_step(run.teacher, [s.prompt_token_ids for s, _ in rows],
                                [s.token_ids for s, _ in rows], [a for _, a in rows],
                                loss=rloo.rloo_loss, temperature=cfg.temperature,
-                               micro_batch_tokens=cfg.micro_batch_tokens, meter=run.meter)
+                               micro_batch_tokens=cfg.micro_batch_tokens)
 
 
 def question_rows(step: int, datasets: list[list], R_k: list[float], chosen) -> tuple[list, list]:
@@ -480,12 +480,11 @@ def solve_rates(cfg: Config, run, step: Step) -> tuple[list[str], list[float]]:
     """the questions of the g datasets, flat, and the baseline student's solve rate on each (its
     weights are in the engines already): what the intrinsic rewards are made of"""
     flat = [{"question": q, "answer": a} for X in step.datasets for q, a in X]
-    with run.meter.timed("evaluation"):
+    with rloo.timed("evaluation"):
         counts = rloo.count_correct(run.llm, flat, prompt=data.student_prompt, correct=data.solved,
                                     n=cfg.learnability_samples, group=dist.group.WORLD,
                                     temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
-                                    seed=launch.seed_of(cfg.seed, step.index, "learnability"),
-                                    meter=run.meter)
+                                    seed=launch.seed_of(cfg.seed, step.index, "learnability"))
     return [q["question"] for q in flat], [c / cfg.learnability_samples for c in counts]
 
 

@@ -68,7 +68,7 @@ def test_count_correct_on_scripted_samples(monkeypatch):
     calls = []
 
     def fake_generate(llm, prompts, *, n, temperature, max_tokens, seed, group=None,
-                      adapters=None, meter=None):
+                      adapters=None):
         calls.append((len(prompts), seed, adapters))
         qs = [p.rsplit("User: ", 1)[1].rsplit(" Assistant:", 1)[0] for p in prompts]
         return [[Sample(script[q][i], [], []) for i in range(n)] for q in qs]

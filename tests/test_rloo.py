@@ -215,7 +215,6 @@ policy = rloo.load_policy(path, init_device_mesh("cpu", (world,)), lr=1e-3, warm
                           total_steps=10)
 before = rloo.snapshot(policy)
 batch = [("w5 w6", "w7"), ("w8 w9", "w10")]
-meter = rloo.Meter()
 
 
 def reward(completions, answers):   # a reward of the caller's: how often the answer's word appears,
@@ -224,10 +223,10 @@ def reward(completions, answers):   # a reward of the caller's: how often the an
 
 stats = rloo.rl_step(policy, llm, batch, prompt=lambda q: q, reward=reward, samples=4,
                      temperature=1.0, max_tokens=6, seed=0, group=None, micro_batch_tokens=256,
-                     advantages=rloo.rloo_advantages, loss=rloo.rloo_loss, meter=meter)
+                     advantages=rloo.rloo_advantages, loss=rloo.rloo_loss)
 moved = any(not torch.equal(v, before[k]) for k, v in rloo.snapshot(policy).items())
 print("STATS", stats["tokens"] > 0, len(stats["rewards"]) == 8, moved,
-      meter.gathered()["tokens/generated/student_rollouts"] > 0)
+      rloo.METER.gathered()["tokens/generated/student_rollouts"] > 0)
 rloo.shutdown()
 """
 
