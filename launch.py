@@ -15,7 +15,6 @@ import re
 import secrets
 import shutil
 import socket
-import struct
 import sys
 import time
 import traceback
@@ -461,8 +460,8 @@ def throughput(faults_before: dict, flops_per_trained_token: float) -> dict:
 def track(wb: dict, out: str, project: str, name: str, config: dict, state: dict) -> None:
     """(rank 0, --wandb) wb = {"run": the run's W&B run, "next": the first step it does not hold}.
     Its id is kept in the checkpoint state (and in out/wandb.json until the first checkpoint): a
-    resumed run continues the same W&B run. It first logs the committed rows W&B does not hold
-    (tracked_steps), so each step is logged once, whatever a kill lost."""
+    resumed run continues the same W&B run (W&B's resume), which says what it holds (run.step).
+    Then it logs the committed rows W&B does not hold, so each step is logged once."""
     path = os.path.join(out, "wandb.json")
     if "wandb" not in state:
         if os.path.exists(path):
@@ -471,8 +470,21 @@ def track(wb: dict, out: str, project: str, name: str, config: dict, state: dict
             state["wandb"] = secrets.token_hex(4)
         data.write_json(path, {"id": state["wandb"]})
     run = tracker(project, name, out, config, state["wandb"])
-    wb.update(run=run, next=tracked_steps(run, out))
+    if run.settings.mode == "offline":
+        drop_older_offline_runs(run)
+    wb.update(run=run, next=run.step)
     log_rows(wb, data.read_jsonl(os.path.join(out, "metrics.jsonl")))
+
+
+def drop_older_offline_runs(run) -> None:
+    """Offline, W&B cannot resume (wandb#2423): each process writes a new offline run of the id,
+    from step 0, so it logs every committed row again. The offline runs of the id that earlier
+    processes left are deleted: the newest holds what they did, and what a kill kept them from
+    writing. So `wandb sync` uploads one run that holds each step once."""
+    here = os.path.dirname(run.dir)   # <out>/wandb/offline-run-<time>-<id>[-<n>]
+    for folder in glob.glob(os.path.join(os.path.dirname(here), "offline-run-*")):
+        if re.search(f"-{run.id}(-[0-9]+)?$", folder) and folder != here:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def log_rows(wb: dict, rows: list[dict]) -> None:
@@ -498,40 +510,6 @@ def tracker(project: str, name: str, folder: str, config: dict, run_id: str | No
     except wandb.errors.Error as e:   # no login, no network: one line, before any step
         raise UsageError(f"--wandb {project}: W&B did not start ({data.first_line(e)}); log "
                            "in (`wandb login`) or set WANDB_MODE=offline") from None
-
-
-def tracked_steps(run, folder: str) -> int:
-    """The first step W&B does not hold of `run` (a tracker's): online, what the resumed run says;
-    offline, where W&B cannot resume (wandb#2423), each process writes an offline run of the id, and
-    what they hold is in their .wandb files. W&B flushes those now and then, so a kill loses the
-    last rows it was sent: they are read, not trusted."""
-    if run.settings.mode != "offline":
-        return run.step
-    paths = glob.glob(os.path.join(folder, "wandb", f"offline-run-*-{run.id}", "*.wandb"))
-    return 1 + max((r.history.step.num for p in paths for r in wandb_records(p)
-                    if r.HasField("history")), default=-1)
-
-
-def wandb_records(path: str):
-    """The protobuf Records of a W&B .wandb file, a LevelDB-style log: a 7-byte file header, then
-    32 KiB blocks of records, each behind a 7-byte header (CRC, length, type 1 full, 2 first,
-    3 middle, 4 last). The end a kill cut is left out."""
-    from wandb.proto import wandb_internal_pb2 as pb
-    with open(path, "rb") as f:
-        b = f.read()
-    pos = 7       # past the file header
-    part = b""    # a record's pieces so far
-    while pos + 7 <= len(b):
-        _, n, kind = struct.unpack("<IHB", b[pos:pos + 7])
-        if (left := 32768 - pos % 32768) < 7 or kind == 0 or pos + 7 + n > len(b):
-            pos += left   # a block's padding, or the cut end
-            continue
-        part += b[pos + 7:pos + 7 + n]
-        pos += 7 + n
-        if kind in (1, 4):
-            (rec := pb.Record()).ParseFromString(part)
-            yield rec
-            part = b""
 
 
 # -----------------------------------------------------------------------------

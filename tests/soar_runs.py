@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -94,10 +95,31 @@ def wait_for(path, p, timeout=600, delay=0.0):
 
 def wandb_records(folder) -> list[tuple[str, object]]:
     """(offline run folder, record) of every record W&B's offline runs wrote under folder/wandb"""
-    import launch
     return [(os.path.basename(os.path.dirname(p)), r)
             for p in sorted(glob.glob(os.path.join(folder, "wandb", "offline-run-*", "*.wandb")))
-            for r in launch.wandb_records(p)]
+            for r in read_wandb_file(p)]
+
+
+def read_wandb_file(path: str):
+    """The protobuf Records of a W&B .wandb file (W&B 0.31 has no Python reader of its own): a
+    LevelDB-style log, a 7-byte file header, then 32 KiB blocks of records, each behind a 7-byte
+    header (CRC, length, type 1 full, 2 first, 3 middle, 4 last). The end a kill cut is left out."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    with open(path, "rb") as f:
+        b = f.read()
+    pos = 7       # past the file header
+    part = b""    # a record's pieces so far
+    while pos + 7 <= len(b):
+        _, n, kind = struct.unpack("<IHB", b[pos:pos + 7])
+        if (left := 32768 - pos % 32768) < 7 or kind == 0 or pos + 7 + n > len(b):
+            pos += left   # a block's padding, or the cut end
+            continue
+        part += b[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):
+            (rec := pb.Record()).ParseFromString(part)
+            yield rec
+            part = b""
 
 
 def wandb_history(folder) -> list[dict]:
