@@ -585,6 +585,7 @@ def test_serl_row(rows_run):
         assert n["written"] >= n["quality"] >= n["diverse"] >= n["difficulty"] >= \
             len(m["generated"]) and len(m["generated"]) <= world["serl_questions"]
         assert len(m["nontrivial"]) == 2 + len(m["generated"])   # --student_questions 2 + these
+        assert m["tokens/generated/self_instruct"] > 0   # its writing and votes: a phase of its own
     assert all(0.2 <= q["share"] <= 0.8 and q["answer"] for q in generated)
     assert len({q["question"] for q in generated}) == len(generated)   # the diversity filter
 
