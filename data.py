@@ -56,7 +56,7 @@ User: {question} Assistant:"""
 
 # ---- the two-turn teacher's (METHOD.md "Two-turn teacher"; the paper prints neither, ours): turn 1
 # answers TEACHER_PROMPT and ends where its question does; turn 2 answers after p' (answer_prompt)
-QUESTION_STOP = "</question>"
+QUESTION_STOP = "</question>"   # the engine's stop string in turn 1; question_end may end it sooner
 ANSWER_PROMPT = ("Now solve the problem you just wrote and give its final answer in the answer "
                  "tags, as the instructions above say.")
 ANSWER_PROMPTS = ("chat", "tag")   # the forms of p' (answer_prompt)
@@ -141,6 +141,16 @@ def last_boxed(text: str) -> str | None:
 # answer, no other <question> between; text around and between is free (METHOD.md "Format filter")
 _Q = re.compile(r"<question>((?:(?!</?question>).)*?)(?:</question>|<question>)"
                 r"(?:(?!<question>).)*?<answer>(.*?)</answer>", re.S)
+
+
+def question_end(text: str) -> int | None:
+    """Where the first question of `text` ends as the format filter reads it (_Q): after the first
+    </question> or <question> that follows its <question>; None while it is open. The two-turn
+    teacher's turn 1 ends there (rloo.sample_turns)."""
+    start = text.find("<question>")
+    close = re.compile(r"</?question>").search(text, start + len("<question>")) if start >= 0 \
+        else None
+    return close.end() if close else None
 
 
 def _parse_teacher_text(text: str) -> tuple[str, str] | None:

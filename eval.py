@@ -476,7 +476,7 @@ def teacher_questions(path: str, cfg: Config, seed: int, llm, tok) -> list[dict]
                                 what=f"the format filter of data.TEACHER_PROMPT ({path})",
                                 group=dist.group.WORLD,
                                 answer_prompt=data.answer_prompt(tok, form) if form else None,
-                                stop=data.QUESTION_STOP)
+                                stop=data.QUESTION_STOP, turn_end=data.question_end)
     return [{"question": q, "answer": a} for _, (q, a) in kept]
 
 
@@ -543,9 +543,14 @@ def serl_kept(questions: list[str], votes: list[tuple[str | None, float]],
 
 def answer_form(path: str) -> str | None:
     """The p' form (data.answer_prompt) of the teacher in `path` if soar.py trained it in two turns
-    (--teacher_turns 2, its run's config); None for one turn and for any other model."""
-    config = soar_config(os.path.dirname(path)) if os.path.basename(path) == "teacher" else None
-    return config["answer_prompt"] if config and config.get("teacher_turns", 1) == 2 else None
+    (--teacher_turns 2): its soar.json says so wherever the folder is; a teacher/ written before
+    soar.json did, its run's config. None for one turn and for any other model."""
+    tag = os.path.join(path, "soar.json")
+    config = data.read_json(tag) if os.path.exists(tag) else {}
+    path = os.path.normpath(path)
+    if "teacher_turns" not in config and os.path.basename(path) == "teacher":
+        config = soar_config(os.path.dirname(path)) or {}
+    return config["answer_prompt"] if config.get("teacher_turns", 1) == 2 else None
 
 
 # ---- one run folder ----
@@ -868,7 +873,8 @@ def cmd_filter(cfg: Config, pools: list[str]) -> None:
     mesh, tok, llm = setup(cfg, list(problems.values()), engine_share=0.9)   # no trainer beside
     n = cfg.filter_samples
     chunk = max(1, 8192 // n)   # problems per call: about 8192 samples
-    for pool, probs in problems.items():
+    sizes = [len(probs) for probs in problems.values()]
+    for index, (pool, probs) in enumerate(problems.items()):
         out = os.path.join(cfg.out, os.path.splitext(os.path.basename(pool))[0])
         counts_path = os.path.join(out, "counts.jsonl")
         have = rloo.on_rank0(counted, counts_path)
@@ -878,7 +884,7 @@ def cmd_filter(cfg: Config, pools: list[str]) -> None:
             counts = rloo.count_correct(llm, probs[lo:lo + chunk], prompt=data.student_prompt,
                                         correct=data.solved, n=n,
                                         max_tokens=cfg.student_max_tokens,
-                                        seed=launch.seed_of(seeds(cfg)[0], "filter") + lo,
+                                        seed=filter_seed(cfg, sizes, index, lo),
                                         temperature=cfg.temperature, group=dist.group.WORLD)
             if rloo.rank0():
                 data.append_jsonl(counts_path, [{"index": lo + i, "correct": c}
@@ -895,6 +901,14 @@ def cmd_filter(cfg: Config, pools: list[str]) -> None:
                                  kept=len(hard), train=len(train), test=len(test)))
             print(f"{pool}: {len(hard)} of {len(probs)} never solved in {n} samples -> "
                   f"{len(train)} train / {len(test)} test in {out}")
+
+
+def filter_seed(cfg: Config, sizes: list[int], pool: int, lo: int) -> int:
+    """The seed of cmd_filter's call on problems lo.. of pool number `pool` (of pools of `sizes`
+    problems, in the order given): the problems of all pools in a row, each filter_samples seeds
+    after the one before (count_correct: problem i of a call draws seed + i * n + j, j < n), so no
+    two samples of a filter share a seed, across chunks, problems and pools."""
+    return launch.seed_of(seeds(cfg)[0], "filter") + (sum(sizes[:pool]) + lo) * cfg.filter_samples
 
 
 # ---- commands that need no engine ----

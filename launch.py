@@ -619,11 +619,14 @@ def soar_throughput(cfg, run: SoarRun, faults_before: dict) -> dict:
 
 def save_soar_folders(cfg, run: SoarRun) -> None:
     """teacher/ and (when theta changed since it was written) student/, HF folders with soar.json
-    saying what they hold; the student's weights must be theta"""
+    saying what they hold (the teacher's: how it samples, too); the student's weights must be
+    theta"""
     state = run.state
     tag = {"step": state["step"], "promotions": state["promotions"]}
+    # how the teacher samples (eval.answer_form), wherever its folder is copied to
+    turns = {"teacher_turns": cfg.teacher_turns, "answer_prompt": cfg.answer_prompt}
     rloo.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok, state["step"],
-                 {"soar.json": tag})
+                 {"soar.json": {**tag, **turns}})
     if rloo.on_rank0(hf_behind, cfg.out, state, ("student",)):
         rloo.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok, state["step"],
                      {"soar.json": tag})

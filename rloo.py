@@ -77,16 +77,21 @@ LOGIT_CHUNK_TOKENS = 2048   # token_logprobs runs the vocabulary head on this ma
 # at the paper's shape (prompts 128 of 1152 tokens) they cost 23% (docs/scale.md)
 SHARED_PROMPTS_BY_DEVICE = {"cpu": True, "cuda": False}
 MAX_NONFINITE = 3           # updates skipped in a row (non-finite loss or gradient) that stop a run
-# GPU memory per rank (memory_per_rank; METHOD.md "Scale layout", docs/scale.md)
+# GPU memory per rank (memory_per_rank; METHOD.md "Scale layout", docs/scale.md "GPU memory")
 GIB = 2 ** 30
-TRAINED_BYTES = 16          # a fully fine-tuned parameter: fp32 weight, gradient, AdamW's 2 moments
-# activations and transient buffers of one 16384-token micro-batch, checkpointed, on Llama-3.2-3B
-# (width 3072 x 28 layers): an H200 step's peak (107.8 GiB) less what rests between steps (95.9);
-# other micro-batches and shapes scaled by tokens x width x depth (an estimate)
-ACTIVATION_GIB = 12.0
-ACTIVATION_REF = (16384, 3072 * 28)   # the tokens and width x depth it was measured at
-# without checkpointing: (98.6 - 53.8) / (72.3 - 53.8) GiB at 8192 tokens, the same H200
-NO_CHECKPOINT_FACTOR = 2.4
+HELD_BYTES = 12             # a trained parameter from update to update: fp32 weight, 2 moments
+GRAD_BYTES = 4              # ... and its fp32 gradient, only while its policy trains (freed after)
+# activations and transient buffers of one micro-batch, from H200 peaks of Llama-3.2-3B (vocabulary
+# 128256, width 3072, 28 layers) less what rests between steps (docs/scale.md "The activation
+# measurement" derives the three parts): a fixed part, the vocabulary head's chunk, a part per token
+ACTIVATION_REF = (128256, 3072, 28)   # the vocabulary, width and depth they were measured at
+ACTIVATION_FIXED_GIB = 1.7  # the root's unsharded embedding and its fp32 gradient: x vocab x width
+ACTIVATION_HEAD_GIB = 1.63e-3   # a token of the head's chunk (LOGIT_CHUNK_TOKENS): its logits in
+                                # bf16 and fp32, recomputed, and their gradient: x vocab
+ACTIVATION_TOKEN_GIB = 4.19e-4  # a micro-batch token: the checkpointed layer inputs and one layer's
+                                # recompute: x width x depth
+NO_CHECKPOINT_FACTOR = 8.7  # the per-token part without activation checkpointing
+CONTEXT_GIB = 3.0           # a margin for the CUDA context, cuBLAS workspaces and NCCL's buffers
 # LoRA (METHOD.md "LoRA")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM takes
 LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")   # a PEFT adapter folder
@@ -192,6 +197,22 @@ def all_gather(obj, group=None) -> list:
     parts = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, obj, group=group)
     return parts
+
+
+def check_same(value, what: str, group=None) -> None:
+    """Raise on every rank if the ranks of group hold different values of `what` (what a
+    collective that follows relies on), naming each value and its ranks: one clear error in place
+    of a hang until the collectives' timeout."""
+    parts = all_gather(value, group)
+    if all(part == parts[0] for part in parts):
+        return
+    ranks = defaultdict(list)
+    for rank, part in enumerate(parts):
+        ranks[repr(part)].append(rank)
+    err = RuntimeError(f"{what} differs between ranks: " + "; ".join(
+        f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {v}" for v, r in ranks.items()))
+    err.from_rank0 = not rank0()   # every rank knows it: rank 0 alone prints it (launch.main)
+    raise err
 
 
 def split_map(fn, items: list, group=None) -> list:
@@ -382,13 +403,14 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
 
 def sample_until(llm, prompt, *, need: int, parse, round_seeds: list[int], max_tokens: int,
                  temperature: float, what: str, group=None, answer_prompt: list[int] | None = None,
-                 stop: str = "") -> tuple[list, int]:
+                 stop: str = "", turn_end=None) -> tuple[list, int]:
     """Rejection sampling from the weights in the engine: sample, keep what `parse` (texts -> a
     value or None each, split over the ranks) accepts, sample again for the shortfall, one round per
     seed of round_seeds. Exact for RLOO: the kept samples are draws of the policy conditioned on
     passing the filter (METHOD.md "Teacher update"). Returns the first `need` (Sample, value) in
     sampling order and the number of samples drawn; too few ends the run, naming `what`. With
-    an answer_prompt, a sample is two turns (sample_turns), a (Sample, Sample), read as one text."""
+    an answer_prompt, a sample is two turns (sample_turns, with stop and turn_end), a (Sample,
+    Sample), read as one text."""
     kept = []
     sampled = 0
     for seed in round_seeds:
@@ -401,8 +423,8 @@ def sample_until(llm, prompt, *, need: int, parse, round_seeds: list[int], max_t
             texts = [s.text for s in samples]
         else:
             samples, texts = sample_turns(llm, prompt, k, answer_prompt=answer_prompt, stop=stop,
-                                          temperature=temperature, max_tokens=max_tokens,
-                                          seed=seed, group=group)
+                                          turn_end=turn_end, temperature=temperature,
+                                          max_tokens=max_tokens, seed=seed, group=group)
         values = split_map(parse, texts, group)
         sampled += k
         kept += [(s, v) for s, v in zip(samples, values) if v is not None]
@@ -412,28 +434,50 @@ def sample_until(llm, prompt, *, need: int, parse, round_seeds: list[int], max_t
                        f"({len(round_seeds)} rounds)")
 
 
-def sample_turns(llm, prompt, k: int, *, answer_prompt: list[int], stop: str, max_tokens: int,
-                 temperature: float, seed: int, group=None) -> tuple[list[tuple], list[str]]:
-    """k two-turn samples (METHOD.md "Two-turn teacher"): turn 1 from `prompt` until the string
-    `stop`, turn 2 from prompt + turn 1 + answer_prompt (token ids) with what turn 1 left of
-    max_tokens; request i of turn 1 has seed + i, of turn 2 seed + k + i. Returns each sample's
-    turns, (turn 1, turn 2), and its text: turns 1 and 2 with answer_prompt between, as decoded by
-    the engine's tokenizer; a turn 1 that did not reach `stop` has no turn 2 and the text ""."""
-    firsts = [o[0] for o in generate(llm, [prompt] * k, temperature=temperature,
-                                     max_tokens=max_tokens, seed=seed, stop=stop, group=group)]
+def sample_turns(llm, prompt, k: int, *, answer_prompt: list[int], stop: str, turn_end,
+                 max_tokens: int, temperature: float, seed: int,
+                 group=None) -> tuple[list[tuple], list[str]]:
+    """k two-turn samples (METHOD.md "Two-turn teacher"): turn 1 from `prompt`, ended at the first
+    token where turn_end(text) (an index, or None while the turn is open) says it has ended (the
+    engine stops at the string `stop`; turn_end may end it sooner), turn 2 from prompt + turn 1 +
+    answer_prompt (token ids) with what turn 1 left of max_tokens; request i of turn 1 has seed + i,
+    of turn 2 seed + k + i. Returns each sample's turns, (turn 1, turn 2), and its text: turns 1
+    and 2 with answer_prompt between, as decoded by the engine's tokenizer; a turn 1 that did not
+    end has no turn 2 and the text ""."""
+    decode = llm.get_tokenizer().decode
+    firsts = [_end_turn(o[0], turn_end, decode)
+              for o in generate(llm, [prompt] * k, temperature=temperature,
+                                max_tokens=max_tokens, seed=seed, stop=stop, group=group)]
     closed = [i for i, s in enumerate(firsts)
-              if s.text.endswith(stop) and len(s.token_ids) < max_tokens]
+              if turn_end(s.text) is not None and len(s.token_ids) < max_tokens]
     seconds = generate(llm, [list(prompt) + firsts[i].token_ids + answer_prompt for i in closed],
                        temperature=temperature,
                        max_tokens=[max_tokens - len(firsts[i].token_ids) for i in closed],
                        seed=seed + k, group=group)
     samples = [(s,) for s in firsts]
     texts = [""] * k
-    decode = llm.get_tokenizer().decode
     for i, out in zip(closed, seconds):
         samples[i] = (firsts[i], out[0])
         texts[i] = decode(firsts[i].token_ids + answer_prompt) + out[0].text
     return samples, texts
+
+
+def _end_turn(sample: Sample, turn_end, decode) -> Sample:
+    """sample cut after its first token whose text so far has ended (turn_end), as the engine cuts
+    at a stop string: the shorter turn is as exact a sample; as it is where that is its end"""
+    end = turn_end(sample.text)
+    if end is None or end == len(sample.text):
+        return sample
+    ids = sample.token_ids
+    lo, hi = 1, len(ids)   # the fewest tokens whose text has ended
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if turn_end(decode(ids[:mid])) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    logprobs = sample.logprobs[:lo] if sample.logprobs is not None else None
+    return Sample(decode(ids[:lo]), ids[:lo], sample.prompt_token_ids, logprobs)
 
 
 def turns(sample) -> tuple:
@@ -531,8 +575,10 @@ def _reload_engine(llm, weights, base_replaced: bool) -> None:
     them from then on. `base_replaced`: they are not the engine's base, so serve_adapter puts the
     base back before an adapter is served on it."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-    for _ in weights:   # drain (should be empty) so every rank runs the same all-gathers
-        pass
+    unread = [name for name, _ in weights]   # drained, so every rank runs the same all-gathers
+    if unread:   # vLLM stopped reading early: the engine would serve stale weights
+        raise RuntimeError(f"the engine's reload_weights left {len(unread)} tensors unread, "
+                           f"the first {unread[0]}: its weights would be stale")
     llm.reset_prefix_cache()
     llm.adapter = None   # requests are served by these weights
     llm.base_replaced = base_replaced
@@ -546,6 +592,8 @@ def serve_hf(llm, path: str) -> None:
     embedding: vLLM's reload_weights(weights_path=...) skips it and keeps the old head's logits
     (5.3 nats off in our tests). vLLM's reload also drops every adapter it holds: serve_adapter
     loads them again."""
+    # the engine's own base (built from this name or folder): adapters can be served on it
+    base = path == llm.base_path or os.path.realpath(path) == os.path.realpath(llm.base_path)
     if not os.path.isdir(path):   # a hub name: its files, downloaded once (as vLLM does)
         from transformers.utils.hub import snapshot_download   # (huggingface_hub's)
         path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
@@ -568,8 +616,7 @@ def serve_hf(llm, path: str) -> None:
         if not head and embedding is not None:
             yield "lm_head.weight", embedding
 
-    _reload_engine(llm, weights(),
-                   base_replaced=os.path.realpath(path) != os.path.realpath(llm.base_path))
+    _reload_engine(llm, weights(), base_replaced=not base)
 
 
 # -----------------------------------------------------------------------------
@@ -959,25 +1006,38 @@ def memory_per_rank(config, *, gpu_gib: float, engine_share: float, policy_ranks
                     micro_batch_tokens: int = 16384,
                     activation_checkpointing: bool = True) -> dict[str, float]:
     """GiB a rank holds on a GPU of gpu_gib (METHOD.md "Scale layout"): the engine's share (bf16
-    weights and KV cache), then the trainer's: full fine-tuning, each policy (fp32 weights,
-    gradients, AdamW) sharded over its policy_ranks and, with `kl`, its bf16 reference likewise;
-    LoRA (lora_rank), one whole bf16 base and `adapters` fp32 adapters with gradients and AdamW;
-    and one micro-batch's activations (ACTIVATION_GIB scaled). The one place this is computed:
-    soar.py's check before anything loads, bench_rloo.py --memory_table and docs/scale.md."""
+    weights and KV cache), then the trainer's: full fine-tuning, each policy (fp32 weights and
+    AdamW) sharded over its policy_ranks and, with `kl`, its bf16 reference likewise, and the
+    gradients of the one that trains (train_step frees them after its update); LoRA (lora_rank),
+    one whole bf16 base and `adapters` fp32 adapters with AdamW, one with its gradients; one
+    micro-batch's activations (activation_gib) and a margin for the CUDA context (CONTEXT_GIB).
+    The one place this is computed: soar.py's check before anything loads, bench_rloo.py
+    --memory_table and docs/scale.md."""
     n, a = parameter_counts(config, lora_rank)
     est = {"engine": engine_share * gpu_gib}
     if lora_rank:
         est["base"] = 2 * n / GIB
-        est["adapters"] = adapters * TRAINED_BYTES * a / GIB
+        est["adapters"] = (adapters * HELD_BYTES + GRAD_BYTES) * a / GIB
     else:
-        est["policies"] = sum(TRAINED_BYTES * n / r for r in policy_ranks) / GIB
+        est["policies"] = sum(HELD_BYTES * n / r for r in policy_ranks) / GIB
+        est["gradients"] = max(GRAD_BYTES * n / r for r in policy_ranks) / GIB
         est["references"] = sum(2 * n / r for r in policy_ranks) / GIB if kl else 0.0
-    tokens, width_depth = ACTIVATION_REF
-    est["activations"] = (ACTIVATION_GIB * micro_batch_tokens / tokens
-                          * config.hidden_size * config.num_hidden_layers / width_depth
-                          * (1 if activation_checkpointing else NO_CHECKPOINT_FACTOR))
+    est["activations"] = activation_gib(config, micro_batch_tokens, activation_checkpointing)
+    est["context"] = CONTEXT_GIB
     est["total"] = sum(est.values())
     return est
+
+
+def activation_gib(config, micro_batch_tokens: int, activation_checkpointing: bool) -> float:
+    """one micro-batch's activations and transient buffers (the ACTIVATION_ parts, scaled from the
+    shape they were measured at to config's): an estimate"""
+    vocab, width, depth = ACTIVATION_REF
+    fixed = ACTIVATION_FIXED_GIB * config.vocab_size * config.hidden_size / (vocab * width)
+    head = (ACTIVATION_HEAD_GIB * min(micro_batch_tokens, LOGIT_CHUNK_TOKENS)
+            * config.vocab_size / vocab)
+    tokens = (ACTIVATION_TOKEN_GIB * micro_batch_tokens
+              * config.hidden_size * config.num_hidden_layers / (width * depth))
+    return fixed + head + tokens * (1 if activation_checkpointing else NO_CHECKPOINT_FACTOR)
 
 
 def step_engine_args(seqs: int, prompt_tokens: int) -> dict:

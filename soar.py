@@ -180,18 +180,20 @@ def can_promote(cfg: Config, history: list[float]) -> bool:
 @dataclasses.dataclass
 class Measured:
     """What step 5 measured of one dataset X_k: a teacher reward (TEACHER_REWARDS) is a function
-    of this alone. A reward that trains students reads accs; the others read solve_rates and
-    novelty."""
+    of this alone. A reward that trains students reads accs and acc0s; the others read
+    solve_rates and novelty."""
     dataset: list               # X_k: n (question, answer) pairs
-    acc0: float                 # the baseline's Acc on Q_R
     accs: list[float]           # Acc on Q_R of each of the r students trained on X_k
+    acc0s: list[float]          # the baseline's Acc on Q_R, measured by the group that trained
+                                # each of them (its own engines: Acc0 can differ between groups)
     solve_rates: list[float]    # the baseline's solve rate on each question of X_k
     novelty: list[float]        # each question's novelty against the archive (data.novelty)
 
 
 def grounded(m: Measured) -> list[float]:
-    """SOAR's reward (METHOD.md "Inner loop"): R_kj = Acc(student j trained on X_k) - Acc0"""
-    return [acc - m.acc0 for acc in m.accs]
+    """SOAR's reward (METHOD.md "Inner loop"): R_kj = Acc(student j trained on X_k) - Acc0, both
+    measured on the engines of the group that trained student j"""
+    return [acc - acc0 for acc, acc0 in zip(m.accs, m.acc0s)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +242,8 @@ def main(cfg: Config):
         # 6-7. Rhat, MA, promotion (intrinsic baselines train no students, so they never promote)
         tau = cfg.tau if teacher_reward.trains_students else float("inf")
         reward, ma, chosen, state["history"] = decide(state["history"], R, cfg.window, tau)
+        # every rank must decide alike (a promotion is a collective): else stop, naming the ranks
+        rloo.check_same(dict(R=R, reward=reward, ma=ma, chosen=chosen), f"step {step}'s decision")
         if chosen:
             run.theta = promote(cfg, run, chosen, snaps)
             state["promotions"] += 1
@@ -283,7 +287,7 @@ def teacher_samples(cfg: Config, run, step: int) -> tuple[list, int]:
                                  max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,
                                  what=TEACHER_FILTER.format(step=step), group=dist.group.WORLD,
                                  answer_prompt=answer_prompt(cfg, run.tok),
-                                 stop=data.QUESTION_STOP)
+                                 stop=data.QUESTION_STOP, turn_end=data.question_end)
 
 
 def answer_prompt(cfg: Config, tok) -> list[int] | None:
@@ -366,35 +370,37 @@ def measure(cfg: Config, run, step: Step, trains_students: bool):
     this group must keep and the most any rank keeps (trained_accuracies)."""
     if not trains_students:
         return measure_baseline(cfg, run, step), {}, 0
-    accs, snaps, held = trained_accuracies(cfg, run, step)
-    measured = [Measured(X, step.acc0, X_accs, [], []) for X, X_accs in zip(step.datasets, accs)]
+    accs, acc0s, snaps, held = trained_accuracies(cfg, run, step)
+    measured = [Measured(X, X_accs, X_acc0s, [], [])
+                for X, X_accs, X_acc0s in zip(step.datasets, accs, acc0s)]
     return measured, snaps, held
 
 
 def trained_accuracies(cfg: Config, run, step: Step):
     """Each group trains its share of the g*r students and measures each on Q_R, in waves of
     len(run.wave): one student at a time with full fine-tuning, all of them at once with LoRA
-    (train_students). Returns the g x r table of their Acc (on every rank), the promotion
-    candidates this group must keep and the most any rank keeps. The first student of the last
-    wave stays in run.student until the decision; the others are snapshots in host RAM, kept only
-    if a promotion is possible this step (can_promote)."""
+    (train_students). Returns, on every rank, the g x r tables of their Acc and of the Acc0 of
+    the group that trained each (step.acc0 there), the promotion candidates this group must keep
+    and the most any rank keeps. The student last_trained stays in run.student until the decision;
+    the others are snapshots in host RAM, kept only if a promotion is possible this step
+    (can_promote)."""
     keep = can_promote(cfg, run.state["history"])
     acc = {}
     snaps = {}
     mine = my_students(cfg, run)
-    waves = [mine[i:i + len(run.wave)] for i in range(0, len(mine), len(run.wave))]
-    for wave in waves:
+    for wave in [mine[i:i + len(run.wave)] for i in range(0, len(mine), len(run.wave))]:
         with rloo.timed("student_training"):
             policies = train_students(cfg, run, wave, step)
         accs = accuracies(cfg, run, step.q_r, policies)
         for (k, j), policy, a in zip(wave, policies, accs):
-            acc[k, j] = a
-            if keep and (k, j) != waves[-1][0]:
+            acc[k, j] = (a, step.acc0)
+            if keep and (k, j) != last_trained(cfg, run):
                 snaps[k, j] = rloo.snapshot(policy)
     parts = rloo.all_gather((acc, len(snaps)))
     acc = {kj: v for part, _ in parts for kj, v in part.items()}
-    table = [[acc[k, j] for j in range(cfg.students)] for k in range(cfg.num_datasets)]
-    return table, snaps, max(n for _, n in parts)
+    tables = [[[acc[k, j][i] for j in range(cfg.students)] for k in range(cfg.num_datasets)]
+              for i in (0, 1)]
+    return *tables, snaps, max(n for _, n in parts)
 
 
 def students(cfg: Config) -> list[tuple[int, int]]:
@@ -407,12 +413,21 @@ def my_students(cfg: Config, run) -> list[tuple[int, int]]:
     return students(cfg)[run.mesh.get_local_rank("group")::run.mesh["group"].size()]
 
 
+def last_trained(cfg: Config, run) -> tuple[int, int]:
+    """the (k, j) left in run.student by trained_accuracies: the first of the group's last wave"""
+    mine = my_students(cfg, run)
+    return mine[(len(mine) - 1) // len(run.wave) * len(run.wave)]
+
+
 def promote(cfg: Config, run, chosen, snaps) -> dict:
     """theta := the chosen student (METHOD.md "Promotion"): its group broadcasts its shards to all.
     The group holds it as a snapshot, or still in its model if the group trained it last."""
     src = students(cfg).index(chosen) % run.mesh["group"].size()   # the group that trained it
     theta = run.theta
     if run.mesh.get_local_rank("group") == src:
+        if chosen not in snaps and chosen != last_trained(cfg, run):
+            raise RuntimeError(f"promote: student {chosen} was not kept (can_promote assumed a "
+                               f"step reward of at most 1; --reward {cfg.reward} gave more)")
         theta = snaps[chosen] if chosen in snaps else rloo.snapshot(run.student)
     with rloo.timed("sync"):
         rloo.broadcast_snapshot(theta, src, run.mesh["group"].get_group())
@@ -472,7 +487,7 @@ def measure_baseline(cfg: Config, run, step: Step) -> list[Measured]:
     novelties = data.novelty(questions, run.state["archive"])
     run.state["archive"] = (run.state["archive"] + questions)[-OPENSIR_ARCHIVE:]
     g = cfg.num_datasets
-    return [Measured(X, step.acc0, [], X_rates, X_novelties) for X, X_rates, X_novelties
+    return [Measured(X, [], [], X_rates, X_novelties) for X, X_rates, X_novelties
             in zip(step.datasets, split_datasets(rates, g), split_datasets(novelties, g))]
 
 

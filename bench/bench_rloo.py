@@ -115,7 +115,7 @@ def memory_table(shape: str, rank: int) -> str:
         return {gpu: rloo.memory_per_rank(cfg, gpu_gib=mem, engine_share=ENGINE_SHARE,
                                           policy_ranks=[W, W // G], lora_rank=rank,
                                           adapters=adapters) for gpu, mem in GPUS.items()}
-    per_adapter = rloo.TRAINED_BYTES * a / rloo.GIB
+    per_adapter = (rloo.HELD_BYTES + rloo.GRAD_BYTES) * a / rloo.GIB
     what = (f"LoRA rank {rank} (an adapter {a / 1e6:.1f} M = {a / n:.1%}, {per_adapter:.2f} GiB "
             "with its gradient and AdamW)" if rank else "full fine-tuning")
     parts = [k for k in per_rank(1, 1, 1)["H100"] if k not in ("engine", "total")]
@@ -141,8 +141,8 @@ def memory_table(shape: str, rank: int) -> str:
     lines.append(f"training hours: the students' {per_token}N FLOP per token (the policy's "
                  f"{per_token - 2}N, the KL reference's 2N) over S = {PAPER['inner_steps']}, at "
                  f"{ASSUMED_MFU:.0%} MFU of 989 TFLOP/s; generation, evaluation and the teacher "
-                 f"come on top. Activations: {rloo.ACTIVATION_GIB:.0f} GiB measured on 3B (full "
-                 "fine-tuning, 16384-token micro-batches), scaled by width x depth.")
+                 "come on top. Activations: rloo.activation_gib, from H200 peaks of the 3B "
+                 "(docs/scale.md); context: a margin for the CUDA context and NCCL.")
     if rank:
         teachers, students = POPULATION
         est = per_rank(1, 1, teachers + students)

@@ -34,7 +34,8 @@ def torchrun(script, out, *args, wait=True, **popen):
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, **popen)
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, **popen)
+    popen.setdefault("timeout", 900)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, **popen)
 
 
 def rows(path):

@@ -86,6 +86,29 @@ def test_count_correct_on_scripted_samples(monkeypatch):
     assert counts(chunk_prompts=3, adapters=["a", "a", "b", "b"]) == [2, 4, 0, 1]
     assert calls[-2:] == [(3, 100, ["a", "a", "b"]), (1, 112, ["b"])]
 
+def test_the_filters_samples_never_share_a_seed(monkeypatch):
+    """cmd_filter's seeds (filter_seed) through count_correct's chunks, as cmd_filter calls it: each
+    sample of each problem of each pool (here 640 and 37 problems, n = 128) has its own seed"""
+    from rloo import Sample
+    drawn = []
+
+    def fake_generate(llm, prompts, *, n, seed, **kwargs):
+        drawn.extend(seed + i * n + j for i in range(len(prompts)) for j in range(n))   # generate's
+        return [[Sample("", [], [])] * n for _ in prompts]
+
+    monkeypatch.setattr(rloo, "generate", fake_generate)
+    cfg = ev.Config(filter_samples=128)
+    sizes = [640, 37]
+    chunk = max(1, 8192 // cfg.filter_samples)   # cmd_filter's
+    for pool, size in enumerate(sizes):
+        problems = [{"question": "q", "answer": "1"}] * size
+        for lo in range(0, size, chunk):
+            rloo.count_correct(None, problems[lo:lo + chunk], prompt=str, n=cfg.filter_samples,
+                               correct=lambda completions, answers: [False] * len(completions),
+                               max_tokens=1, seed=ev.filter_seed(cfg, sizes, pool, lo))
+    assert len(drawn) == sum(sizes) * 128 == len(set(drawn))
+
+
 # ---- the early-stopping rule ----
 def test_early_stop_exponential_saturation():
     # r = 1 - exp(-t/100): smoothed slope at centre step t is proportional to exp(-(t-12)/100) from
@@ -402,8 +425,14 @@ def test_a_two_turn_teacher_is_sampled_in_two_turns(tmp_path):
         data.write_json(str(run / "ckpt" / "step-3" / "state.json"),
                         {"config": {"teacher_turns": turns, "answer_prompt": "tag"}})
         assert ev.answer_form(str(run / "teacher")) == out
+        assert ev.answer_form(str(run / "teacher") + "/") == out
         assert ev.answer_form(str(run / "student")) is None
     assert ev.answer_form(str(tmp_path / "model")) is None
+    # a teacher/ copied elsewhere: its soar.json (launch.save_soar_folders) says how it samples
+    copy = tmp_path / "copied-teacher"
+    data.write_json(str(copy / "soar.json"), {"step": 3, "promotions": 0, "teacher_turns": 2,
+                                              "answer_prompt": "chat"})
+    assert ev.answer_form(str(copy)) == "chat"
 
 
 def test_soar_output_of_another_base_model_is_refused(tmp_path):

@@ -3,9 +3,11 @@ rloo.py on real parts: the vLLM CPU engine and FSDP2 over gloo. The worker
 (tests/rloo_dist_worker.py) runs once as a plain 1-rank process and once under
 `torchrun --nproc_per_node 2`; the tests below assert on what both runs wrote.
 """
+import itertools
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -75,6 +77,76 @@ def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
         assert launch.set_aside(str(tmp_path / "step-5")) == str(tmp_path / f"step-5{suffix}")
         assert (tmp_path / f"step-5{suffix}" / "f").read_text() == str(n)
     assert not (tmp_path / "step-5").exists()
+
+
+class ScriptedEngine:
+    """what serve_hf and _reload_engine use of build_engine's engine: reload_weights reads the
+    first `reads` tensors it is given (None: all)"""
+    def __init__(self, base_path, reads=None):
+        self.base_path = base_path
+        self.base_replaced = True
+        self.adapter = None
+        self.reads = reads
+        self.read = []
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
+
+    def collective_rpc(self, method, kwargs):
+        weights = kwargs["weights_iterator"]
+        self.read = [name for name, _ in itertools.islice(weights, self.reads)]
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def test_a_hub_named_base_served_again_is_the_base_and_unread_weights_are_an_error(tmp_path,
+                                                                                   monkeypatch):
+    """serve_hf of the engine's own base by its hub name (downloaded to a cache folder) leaves the
+    base in place, so serve_adapter does not reload it again; another model replaces it. An engine
+    that leaves weights unread is an error naming the first one."""
+    from safetensors.torch import save_file
+    from transformers.utils import hub
+    folder = tmp_path / "snapshots" / "abc"
+    folder.mkdir(parents=True)
+    save_file({"model.embed_tokens.weight": torch.ones(2, 2), "model.norm.weight": torch.ones(2)},
+              str(folder / "model.safetensors"))
+    monkeypatch.setattr(hub, "snapshot_download", lambda name, **kwargs: str(folder))
+    llm = ScriptedEngine("org/tiny-model")
+    rloo.serve_hf(llm, "org/tiny-model")
+    assert not llm.base_replaced
+    assert llm.read == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]   # tied
+    rloo.serve_hf(llm, "org/other-model")
+    assert llm.base_replaced
+    with pytest.raises(RuntimeError, match="left 2 tensors unread, the first model.norm.weight"):
+        rloo.serve_hf(ScriptedEngine("org/tiny-model", reads=1), "org/tiny-model")
+
+
+def test_two_turns_end_the_question_where_the_format_filter_does(monkeypatch):
+    """Turn 1 ends where the one-turn filter closes the question: at </question>, or at a second
+    <question> (as the paper prints the format), cut at that token; turn 2 follows it, and the
+    pair passes the filter (scripted engine, one character a token)"""
+    import data
+    from rloo import Sample
+    decode = "".join   # a token is a character
+    firsts = ["<question>What is 1+1?<question>More</question>",   # the engine stops at </question>
+              "<question>What is 2+2?</question>", "no question</question>", "<question>open"]
+
+    def fake_generate(llm, prompts, *, max_tokens, seed, stop=None, **kwargs):
+        if stop:   # turn 1
+            return [[Sample(text, list(text), list(prompt))]
+                    for text, prompt in zip(firsts, prompts)]
+        return [[Sample("\\boxed{2}</answer>", list("\\boxed{2}</answer>"), list(prompt))]
+                for prompt in prompts]
+
+    monkeypatch.setattr(rloo, "generate", fake_generate)
+    llm = SimpleNamespace(get_tokenizer=lambda: SimpleNamespace(decode=decode))
+    samples, texts = rloo.sample_turns(llm, list("p"), 4, answer_prompt=list("<answer>"),
+                                       stop=data.QUESTION_STOP, turn_end=data.question_end,
+                                       max_tokens=64, temperature=1.0, seed=0)
+    assert decode(samples[0][0].token_ids) == "<question>What is 1+1?<question>"
+    assert samples[1][0].text == firsts[1] and [len(s) for s in samples] == [2, 2, 1, 1]
+    assert texts[0] == "<question>What is 1+1?<question><answer>\\boxed{2}</answer>"
+    assert data.parse_teacher_batch(texts[:2]) == [("What is 1+1?", "2"), ("What is 2+2?", "2")]
+    assert texts[2:] == ["", ""]
 
 
 def test_micro_batches_and_chunks():

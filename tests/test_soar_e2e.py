@@ -12,8 +12,14 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from soar_runs import (LORA, ROOT, TIMING, dcp_keys, kill_all, rows, soar,  # noqa: E402
-                       wait_for, without_timing)
+from soar_runs import (FLAGS, LORA, ROOT, TIMING, dcp_keys, kill_all, rows, soar,  # noqa: E402
+                       torchrun, wait_for, without_timing)
+
+
+def tag(name):
+    """the soar.json of a FLAGS run's teacher/ or student/ (the teacher's says how it samples)"""
+    turns = {"teacher_turns": 1, "answer_prompt": "tag"} if name == "teacher" else {}
+    return {"step": 3, "promotions": 3, **turns}
 
 
 def test_outputs_are_consistent(full_run):
@@ -69,7 +75,7 @@ def test_outputs_are_consistent(full_run):
     # HF folders: links to the version a step wrote, marked with it
     for name in ("teacher", "student"):
         assert os.readlink(out / name) == f"{name}.v3"
-        assert json.loads((out / name / "soar.json").read_text()) == {"step": 3, "promotions": 3}
+        assert json.loads((out / name / "soar.json").read_text()) == tag(name)
     log = full_run[1].stdout
     assert "written per step: checkpoint" in log and "HF folders" in log
     ours = re.compile(r"(built-in world \(small\): fingerprint|SOAR: 2 ranks|written per step: "
@@ -128,20 +134,44 @@ def easy(tmp_path_factory):
     return path
 
 
+def skewed(out, mode, *extra):
+    """soar.py FLAGS extra under tests/skewed_groups.py, its groups or ranks made to differ"""
+    return torchrun("tests/skewed_groups.py", out, *FLAGS, *extra,
+                    env={**os.environ, "SKEW": mode}, timeout=600)
+
+
 @pytest.mark.parametrize("flags", [(), LORA], ids=["full", "lora"])
 def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_path, flags, easy):
     """student lr 0: every trained student is the baseline, so R == 0 exactly (Acc0 is measured on
     the same engines and batches as the students: with LoRA, a group's students as adapters at
     theta in one call), on a Q_R the model solves (the fixture easy), so any difference shows.
+    The two groups' engines are made to differ on purpose (tests/skewed_groups.py: group 1
+    measures every Acc 1/M higher, as a biased GPU engine could): each R_kj subtracts the Acc0 of
+    the group that trained student (k, j), so R is still 0, and both ranks decide alike.
     Window 2: step 0 cannot promote, so no snapshot is kept; step 1 can."""
     out = tmp_path / "lr0"
-    p = soar(out, "--student_lr", "0", "--window", "2", "--tau", "0.4", "--outer_steps", "2",
-             "--train", str(easy), *flags)
+    p = skewed(out, "accuracy", "--student_lr", "0", "--window", "2", "--tau", "0.4",
+               "--outer_steps", "2", "--train", str(easy), *flags)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     metrics = rows(out / "metrics.jsonl")
     assert all(m["acc0"] > 0 for m in metrics)
+    assert all(m["acc0_groups"] == [m["acc0"], m["acc0"] + 1 / 8] for m in metrics)   # M = 8
     assert [x for m in metrics for row in m["R"] for x in row] == [0.0] * 8
     assert [m["snapshots"] for m in metrics] == [0, 1] and not any(m["promoted"] for m in metrics)
+    decisions = [rows(out / f"decide-rank{r}.jsonl") for r in (0, 1)]
+    assert decisions[0] == decisions[1] and len(decisions[0]) == 2
+
+
+def test_ranks_that_decide_apart_stop_with_one_error(tmp_path):
+    """A rank whose decision differs (tests/skewed_groups.py: rank 1 adds 1 to its step reward)
+    stops the run at once with one error naming the step, the ranks and their values, where a
+    promotion's broadcast would have hung until the collectives' timeout."""
+    p = skewed(tmp_path / "apart", "decision", "--outer_steps", "1")
+    assert p.returncode != 0
+    err = p.stderr
+    assert "step 0's decision differs between ranks: rank 0: {" in err and "; rank 1: {" in err, \
+        err[-3000:]
+    assert err.count("differs between ranks") == 1, err[-3000:]   # printed by rank 0 alone
 
 
 def test_opensir_teacher(tmp_path):
@@ -197,7 +227,7 @@ def test_lora_run_writes_adapters_only(lora_runs):
         assert json.loads((folder / "adapter_config.json").read_text())["r"] == 8
         assert (folder / "adapter_model.safetensors").exists() and \
             not (folder / "model.safetensors").exists()
-        assert json.loads((folder / "soar.json").read_text()) == {"step": 3, "promotions": 3}
+        assert json.loads((folder / "soar.json").read_text()) == tag(name)
 
 
 def test_two_turn_teacher_trains_both_turns(tmp_path):
@@ -217,7 +247,8 @@ def test_two_turn_teacher_trains_both_turns(tmp_path):
             "seeds = [launch.seed_of(0, 0, 'teacher', i) for i in range(8)]; "
             "kept, _ = rloo.sample_until(llm, data.teacher_prompt(tok), need=8, "
             "parse=data.parse_teacher_batch, round_seeds=seeds, max_tokens=96, temperature=1.0, "
-            "what='', answer_prompt=data.answer_prompt(tok, 'tag'), stop=data.QUESTION_STOP); "
+            "what='', answer_prompt=data.answer_prompt(tok, 'tag'), stop=data.QUESTION_STOP, "
+            "turn_end=data.question_end); "
             "print('KEPT', json.dumps([[pair, [[len(t.prompt_token_ids), len(t.token_ids)] "
             "for t in s]] for s, pair in kept]))")
     g = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
