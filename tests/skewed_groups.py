@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import launch  # noqa: E402
 import soar  # noqa: E402
 
-MODE = os.environ["SKEW"]
+MODE = os.environ.get("SKEW")
 ACCURACIES = soar.accuracies
 DECIDE = soar.decide
 
@@ -40,6 +40,7 @@ def recorded_decide(history, R, window, tau):
     return reward, ma, chosen, history
 
 
-soar.accuracies = skewed_accuracies
-soar.decide = recorded_decide
-launch.main("soar.py", lambda: soar.main(soar.parse_args()))
+if __name__ == "__main__":   # (data.grade's workers import this file again)
+    soar.accuracies = skewed_accuracies
+    soar.decide = recorded_decide
+    launch.main("soar.py", lambda: soar.main(soar.parse_args()))
