@@ -67,10 +67,13 @@ WORLD_ANSWER_CUE = "answer"        # p' of form "tag": the answer tag's name (an
 TEMPLATE_DATE = "26 Jul 2024"
 
 # ---- rewards (METHOD.md "Rewards") ----
-R_CORRECT = 120.0   # boxed answer verifies against the gold answer
+R_CORRECT = 120.0   # boxed answer verifies against the gold answer (solved: exactly this)
 R_CONTAINS = 20.0   # boxed, not verified, but the gold string occurs inside the boxed answer
 R_BOXED = 10.0      # boxed, neither of the above (also: grading timed out)
 R_NONE = 0.0        # no boxed answer at all
+# grade's contract: student_reward reads (last boxed answer, gold) alone, which lets grade key,
+# dedup and shortcut on it. A fork whose reward reads the whole completion sets this False.
+REWARD_READS_BOXED_ONLY = True
 
 # ---- grading pool: math-verify's timeouts use SIGALRM (main thread only): processes, not threads
 MV_TIMEOUT_S = 1          # math-verify parse/verify timeouts, each (an int: a float silently fails)
@@ -274,10 +277,16 @@ _INT = re.compile(r"-?[0-9]{1,18}")   # a plain ASCII integer, short enough that
 
 def grade(completions: list[str], golds: list[str]) -> list[float]:
     """student_reward for a batch, safely: a pathological answer costs at most DEADLINE_S of one
-    worker and is graded as a wrong boxed answer (R_BOXED). The reward depends on (last boxed
-    answer, gold) alone, so each distinct pair goes to the workers once: samples repeat a lot."""
+    worker and is graded as a wrong boxed answer (R_BOXED). The contract with student_reward (a
+    fork that changes it must keep it, or set REWARD_READS_BOXED_ONLY = False): it depends on
+    (last boxed answer, gold) alone, so each distinct pair goes to the workers once (samples repeat
+    a lot), plain integers are compared here and no box is R_NONE without a worker."""
     if len(completions) != len(golds):
         raise ValueError(f"grade: {len(completions)} completions but {len(golds)} gold answers")
+    if not REWARD_READS_BOXED_ONLY:   # every distinct (completion, gold) to student_reward
+        pairs = list(dict.fromkeys(zip(completions, golds)))
+        graded = dict(zip(pairs, _pool_map("reward", pairs, R_BOXED)))
+        return [graded[pair] for pair in zip(completions, golds)]
     keys = [(last_boxed(c), g) for c, g in zip(completions, golds)]
     first = {}    # distinct pair -> its first completion, graded by a worker
     graded = {}   # distinct pair -> reward (plain integers); no box: R_NONE, no worker needed
@@ -300,7 +309,8 @@ def grade(completions: list[str], golds: list[str]) -> list[float]:
 
 
 def solved(completions: list[str], golds: list[str]) -> list[bool]:
-    """per completion: is its boxed answer correct (R_CORRECT)? Acc, pass@k and fail@k count this"""
+    """per completion: is its boxed answer correct? Acc, pass@k and fail@k count this. Correct is
+    exactly a reward of R_CORRECT: a student_reward of another scale must keep that meaning."""
     return [r == R_CORRECT for r in grade(completions, golds)]
 
 

@@ -1,6 +1,7 @@
 """What a launched script needs around the method (soar.py, eval.py): its flags, its exit, one run
 per folder, sharded checkpoints that a resume checks and falls back from, the rows files rewritten
-from them, seeds, the step's counts, W&B, and SOAR's run (its settings check, models and saving).
+from them, seeds, the step's counts, W&B, and SOAR's run (its settings check with the GPU memory
+estimate, models and saving).
 The RL engine itself is rloo.py; the text side is data.py.
 """
 import argparse
@@ -35,6 +36,21 @@ KEEP_CKPTS = 2              # checkpoints kept: a damaged newest one falls back 
 # dense bf16 peak of one GPU, for the MFU estimate in metrics.jsonl (spec sheets, SXM parts)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
 USAGE_EXIT = 2              # a usage error's exit code (argparse's too); run.sh knows it
+# GPU memory per rank (memory_per_rank; METHOD.md "Scale layout", docs/scale.md "GPU memory")
+GIB = 2 ** 30
+HELD_BYTES = 12             # a trained parameter from update to update: fp32 weight, 2 moments
+GRAD_BYTES = 4              # ... and its fp32 gradient, only while its policy trains (freed after)
+# activations and transient buffers of one micro-batch, from H200 peaks of Llama-3.2-3B (vocabulary
+# 128256, width 3072, 28 layers) less what rests between steps (docs/scale.md "The activation
+# measurement" derives the three parts): a fixed part, the vocabulary head's chunk, a part per token
+ACTIVATION_REF = (128256, 3072, 28)   # the vocabulary, width and depth they were measured at
+ACTIVATION_FIXED_GIB = 1.7  # the root's unsharded embedding and its fp32 gradient: x vocab x width
+ACTIVATION_HEAD_GIB = 1.63e-3   # a token of the head's chunk (rloo.LOGIT_CHUNK_TOKENS): its
+                                # logits in bf16 and fp32, recomputed, and their gradient: x vocab
+ACTIVATION_TOKEN_GIB = 4.19e-4  # a micro-batch token: the checkpointed layer inputs and one layer's
+                                # recompute: x width x depth
+NO_CHECKPOINT_FACTOR = 8.7  # the per-token part without activation checkpointing
+CONTEXT_GIB = 3.0           # a margin for the CUDA context, cuBLAS workspaces and NCCL's buffers
 # -----------------------------------------------------------------------------
 
 
@@ -51,6 +67,8 @@ def main(script: str, fn, *args) -> None:
     exits USAGE_EXIT. Any other error prints its full traceback on every rank where it happened,
     each line behind "[rank N]", and exits 1 (an error rank 0 decided for all, on_rank0's, is
     printed by rank 0 alone). The engines and the process group are shut down on every path."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:   # under torchrun: a killed launcher leaves no rank
+        data.die_with_parent()                 # running on (or writing into a run folder)
     code = 0
     try:
         fn(*args)
@@ -387,6 +405,13 @@ def restore_rows(out: str, ckpt: str | None, names, quiet: bool = False) -> None
                       "from it", file=sys.stderr, flush=True)
 
 
+def finished(out: str, outer_steps: int) -> bool:
+    """(rank 0) does soar.py run `out` hold all outer_steps, its HF folders included?"""
+    ckpts = ckpt_dirs(out)
+    state = data.read_json(os.path.join(ckpts[-1], "state.json")) if ckpts else {"step": 0}
+    return state["step"] >= outer_steps and not hf_behind(out, state)
+
+
 def hf_behind(out: str, state: dict | None = None, names=("teacher", "student")) -> list[str]:
     """the HF folders `names` of soar.py run `out` that do not hold its checkpoint's state (state:
     that checkpoint's, else the newest one's): by their soar.json, the teacher's step, the student's
@@ -549,7 +574,14 @@ def start(cfg, trains_students: bool) -> SoarRun | None:
         raise UsageError("--train is required with --model: the hard train split "
                          "(jsonl/parquet, question/answer)")
     hard, seq_len = open_folder(cfg, tok, world_size, trains_students)
-    ckpt, state = resume(cfg.out, dataclasses.asdict(cfg), SOAR_MAY_CHANGE)
+    try:
+        ckpt, state = resume(cfg.out, dataclasses.asdict(cfg), SOAR_MAY_CHANGE)
+    except UsageError as e:   # other settings: a finished run says so first
+        if not rloo.on_rank0(finished, cfg.out, cfg.outer_steps):
+            raise
+        rloo.print0(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do "
+                    f"(and {e})")
+        return None
     state = state or dict(step=0, history=[], promotions=0, pq=0, archive=[])
     restore_rows(cfg.out, ckpt, SOAR_OUTPUTS)   # the files hold exactly the committed steps
     wb = {}   # rank 0 with --wandb: the W&B run and the first step it does not hold
@@ -638,11 +670,50 @@ def student_groups(cfg, world_size: int) -> int:
                                       and d <= cfg.num_datasets * cfg.students), default=1)
 
 
+def memory_per_rank(config, *, gpu_gib: float, engine_share: float, policy_ranks: list[int],
+                    lora_rank: int = 0, adapters: int = 0, kl: bool = True,
+                    micro_batch_tokens: int = 16384,
+                    activation_checkpointing: bool = True) -> dict[str, float]:
+    """GiB a rank holds on a GPU of gpu_gib (METHOD.md "Scale layout"): the engine's share (bf16
+    weights and KV cache), then the trainer's: full fine-tuning, each policy (fp32 weights and
+    AdamW) sharded over its policy_ranks and, with `kl`, its bf16 reference likewise, and the
+    gradients of the one that trains (train_step frees them after its update); LoRA (lora_rank),
+    one whole bf16 base and `adapters` fp32 adapters with AdamW, one with its gradients; one
+    micro-batch's activations (activation_gib) and a margin for the CUDA context (CONTEXT_GIB).
+    The one place this is computed: soar.py's check before anything loads, bench_rloo.py
+    --memory_table and docs/scale.md."""
+    n, a = rloo.parameter_counts(config, lora_rank)
+    est = {"engine": engine_share * gpu_gib}
+    if lora_rank:
+        est["base"] = 2 * n / GIB
+        est["adapters"] = (adapters * HELD_BYTES + GRAD_BYTES) * a / GIB
+    else:
+        est["policies"] = sum(HELD_BYTES * n / r for r in policy_ranks) / GIB
+        est["gradients"] = max(GRAD_BYTES * n / r for r in policy_ranks) / GIB
+        est["references"] = sum(2 * n / r for r in policy_ranks) / GIB if kl else 0.0
+    est["activations"] = activation_gib(config, micro_batch_tokens, activation_checkpointing)
+    est["context"] = CONTEXT_GIB
+    est["total"] = sum(est.values())
+    return est
+
+
+def activation_gib(config, micro_batch_tokens: int, activation_checkpointing: bool) -> float:
+    """one micro-batch's activations and transient buffers (the ACTIVATION_ parts, scaled from the
+    shape they were measured at to config's): an estimate"""
+    vocab, width, depth = ACTIVATION_REF
+    fixed = ACTIVATION_FIXED_GIB * config.vocab_size * config.hidden_size / (vocab * width)
+    head = (ACTIVATION_HEAD_GIB * min(micro_batch_tokens, rloo.LOGIT_CHUNK_TOKENS)
+            * config.vocab_size / vocab)
+    tokens = (ACTIVATION_TOKEN_GIB * micro_batch_tokens
+              * config.hidden_size * config.num_hidden_layers / (width * depth))
+    return fixed + head + tokens * (1 if activation_checkpointing else NO_CHECKPOINT_FACTOR)
+
+
 def memory(cfg, world_size: int, gpu_gib: float, config) -> dict[str, float]:
-    """GiB per rank of this layout on GPUs of gpu_gib (rloo.memory_per_rank): the teacher sharded
+    """GiB per rank of this layout on GPUs of gpu_gib (memory_per_rank): the teacher sharded
     over all ranks, a student over its group's; with LoRA the teacher's adapter and a wave's"""
     G = student_groups(cfg, world_size)
-    return rloo.memory_per_rank(config, gpu_gib=gpu_gib, engine_share=cfg.gpu_memory_utilization,
+    return memory_per_rank(config, gpu_gib=gpu_gib, engine_share=cfg.gpu_memory_utilization,
                                 policy_ranks=[world_size, world_size // G],
                                 lora_rank=cfg.lora_rank,
                                 adapters=1 + -(-cfg.num_datasets * cfg.students // G),
@@ -658,7 +729,7 @@ def memory_problem(cfg, world_size: int, gpu_gib: float, config,
     if need["total"] <= gpu_gib:
         return None
     G = student_groups(cfg, world_size)
-    weights = 2 * rloo.parameter_counts(config)[0] / rloo.GIB   # bf16, in the engine
+    weights = 2 * rloo.parameter_counts(config)[0] / GIB   # bf16, in the engine
     others = need["total"] - need["engine"]
     share = int((gpu_gib - others) / gpu_gib * 20) / 20   # down to a multiple of 0.05
     candidates = {
@@ -677,7 +748,7 @@ def memory_problem(cfg, world_size: int, gpu_gib: float, config,
                 break
     parts = ", ".join(f"{k} {v:.1f}" for k, v in need.items() if k != "total")
     return (f"the layout needs ~{need['total']:.0f} GiB per rank of a {gpu_gib:.0f} GiB GPU "
-            f"({parts}; rloo.memory_per_rank): "
+            f"({parts}; memory_per_rank): "
             + ("it fits with " + " or ".join(fixes) if fixes else
                "no one flag makes it fit: more GPUs, or a smaller model"))
 
@@ -725,7 +796,7 @@ def open_folder(cfg, tok, world_size: int, trains_students: bool) -> tuple[list[
                               cfg.teacher_max_tokens, answer_prompt)
     gpu = torch.cuda.is_available()
     gpu_gib = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-               / rloo.GIB if gpu else None)
+               / GIB if gpu else None)
     bad = check_settings(cfg, world_size, len(hard), seq_len, trains_students, gpu_gib)
     if bad:
         if made and rloo.rank0():

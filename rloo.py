@@ -1,21 +1,36 @@
 """
 The RL engine: one in-process vLLM engine per rank for sampling, an FSDP2-sharded HF causal LM for
 training, exact weight sync between the two, the RLOO loss, in-memory snapshots, sharded state
-and HF folders. It stands alone (the standard library, torch, transformers, numpy and vLLM):
-prompts, grading and parsing come in as functions, so the file can be copied into another project.
-soar.py and eval.py use it for the teacher and the students alike.
+and HF folders. soar.py and eval.py use it for the teacher and the students alike.
+
+It stands alone, so it can be copied into another project: it imports the standard library, torch,
+transformers (and the safetensors it brings), numpy and vLLM, nothing of ours; prompts, rewards
+and parsing come in as functions. Models: HF causal LMs whose decoder layers are model.model.layers
+and whose vocabulary head is one plain linear layer (Llama, Qwen2, Mistral, ...). One process, or
+`torchrun --nproc_per_node N` the same file (a reward of 1 for a completion that holds the answer):
 
     import rloo
-    rank, world, dev = rloo.init_distributed()           # torchrun's group, or a 1-rank one
-    llm = rloo.build_engine("my/model", max_model_len=2048)
-    policy = rloo.load_policy("my/model", mesh, lr=1e-5, warmup_steps=0, total_steps=100)
-    stats = rloo.rl_step(policy, llm, [(question, answer), ...], prompt=..., reward=..., ...)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world, dev = rloo.init_distributed()   # torchrun's group, or a 1-rank one
+    llm = rloo.build_engine("my/model", max_model_len=256)
+    mesh = init_device_mesh(dev.type, (world,))   # the ranks that shard the policy (FSDP2)
+    policy = rloo.load_policy("my/model", mesh, lr=1e-5, warmup_steps=0, total_steps=10)
+
+    def reward(completions, answers):   # one float per completion
+        return [float(answer in text) for text, answer in zip(completions, answers)]
+
+    batch = [("What is 2 + 3?", "5"), ("What is 7 - 4?", "3")]
+    for step in range(10):
+        stats = rloo.rl_step(policy, llm, batch, prompt=lambda q: q + " Answer:", reward=reward,
+                             samples=8, max_tokens=32, seed=step)
+        rloo.print0(f"step {step}: reward {stats['reward']:.2f}, loss {stats['loss']:.4f}")
+    rloo.shutdown()
 
 Layout (METHOD.md "Scale layout"): torchrun, one rank per GPU (or CPU process), TP = 1 engines
 built with distributed_executor_backend="external_launcher", so each engine lives inside its
 rank's process and serves whatever weights are synced into it next (teacher or student).
 """
-import ctypes
 import glob
 import json
 import logging
@@ -23,7 +38,6 @@ import math
 import os
 import pickle
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -35,6 +49,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -47,7 +62,8 @@ from torch.utils.checkpoint import checkpoint
 # safetensors comes with transformers: the adapter files PEFT and vLLM read
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import (AutoConfig, AutoModelForCausalLM, get_constant_schedule_with_warmup,
+                          get_cosine_schedule_with_warmup)
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
@@ -77,21 +93,6 @@ LOGIT_CHUNK_TOKENS = 2048   # token_logprobs runs the vocabulary head on this ma
 # at the paper's shape (prompts 128 of 1152 tokens) they cost 23% (docs/scale.md)
 SHARED_PROMPTS_BY_DEVICE = {"cpu": True, "cuda": False}
 MAX_NONFINITE = 3           # updates skipped in a row (non-finite loss or gradient) that stop a run
-# GPU memory per rank (memory_per_rank; METHOD.md "Scale layout", docs/scale.md "GPU memory")
-GIB = 2 ** 30
-HELD_BYTES = 12             # a trained parameter from update to update: fp32 weight, 2 moments
-GRAD_BYTES = 4              # ... and its fp32 gradient, only while its policy trains (freed after)
-# activations and transient buffers of one micro-batch, from H200 peaks of Llama-3.2-3B (vocabulary
-# 128256, width 3072, 28 layers) less what rests between steps (docs/scale.md "The activation
-# measurement" derives the three parts): a fixed part, the vocabulary head's chunk, a part per token
-ACTIVATION_REF = (128256, 3072, 28)   # the vocabulary, width and depth they were measured at
-ACTIVATION_FIXED_GIB = 1.7  # the root's unsharded embedding and its fp32 gradient: x vocab x width
-ACTIVATION_HEAD_GIB = 1.63e-3   # a token of the head's chunk (LOGIT_CHUNK_TOKENS): its logits in
-                                # bf16 and fp32, recomputed, and their gradient: x vocab
-ACTIVATION_TOKEN_GIB = 4.19e-4  # a micro-batch token: the checkpointed layer inputs and one layer's
-                                # recompute: x width x depth
-NO_CHECKPOINT_FACTOR = 8.7  # the per-token part without activation checkpointing
-CONTEXT_GIB = 3.0           # a margin for the CUDA context, cuBLAS workspaces and NCCL's buffers
 # LoRA (METHOD.md "LoRA")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM takes
 LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")   # a PEFT adapter folder
@@ -107,22 +108,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_launcher() -> None:
-    """Linux: the kernel SIGKILLs this process when its parent (torchrun) dies, so a killed
-    launcher leaves no rank running on (or writing into a run folder)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
-        if os.getppid() == 1:                         # the parent died before we asked
-            os._exit(1)
-
-
 def init_distributed(timeout_min: float = COLLECTIVE_TIMEOUT_MIN) -> tuple[int, int, torch.device]:
     """rank, world size, device. A plain `python script.py` becomes a 1-rank group, so the
     same code path (external_launcher engine, FSDP2) runs with and without torchrun. Collectives
     time out after timeout_min minutes (COLLECTIVE_TIMEOUT_MIN)."""
     cuda = torch.cuda.is_available()
-    if "TORCHELASTIC_RUN_ID" in os.environ:   # under torchrun
-        _die_with_launcher()
     if not dist.is_initialized():
         for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
             os.environ.setdefault(k, v)
@@ -180,10 +170,11 @@ def on_rank0(fn, *args):
 
 
 def chunk(n: int, rank: int, world: int) -> tuple[int, int]:
-    """contiguous [lo, hi) share of n items for rank (the first n % world ranks get one more)"""
-    q, r = divmod(n, world)
-    lo = rank * q + min(rank, r)
-    return lo, lo + q + (rank < r)
+    """contiguous [lo, hi) share of n items for rank: numpy.array_split's (the first n % world
+    ranks get one more)"""
+    share = np.array_split(np.arange(n), world)[rank]
+    lo = int(share[0]) if share.size else n
+    return lo, lo + share.size
 
 
 def my_share(items: list, group=None) -> list:
@@ -286,6 +277,19 @@ def timed(phase: str):
 _ENGINES = []   # the engines this process built (shutdown stops them)
 
 
+@dataclass
+class Engine:
+    """An engine of build_engine's: vLLM's LLM, and what rloo keeps beside it"""
+    vllm: object                  # vllm.LLM, in this process (external_launcher)
+    # adapters are served on base_path's weights: after other full weights went in (serve_hf,
+    # sync_weights), serve_adapter puts these back first (METHOD.md "LoRA")
+    base_path: str                # the model the engine was built from
+    adapter_dir: str              # where this rank writes the adapters it serves (sync_adapter)
+    adapter: object = None        # the LoRARequest a request gets unless told one (sync_weights)
+    base_replaced: bool = False   # other full weights went in since it was built
+    adapter_ids: int = 0          # adapter ids used so far: each version gets a new one
+
+
 def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
                  gpu_memory_utilization: float = 0.3, verbose: bool = False, lora_rank: int = 0,
                  max_loras: int = 2, **engine_args):
@@ -318,33 +322,28 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
     if lora_rank:
         engine_args.update(enable_lora=True, max_loras=max_loras, max_cpu_loras=max_loras,
                            max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_rank))
-    llm = LLM(model=model_path, max_model_len=max_model_len, seed=seed + rank,
-              # fp32 on CPU makes synced weights bit-equal to the trainer's (tests compare
-              # logprobs); bf16 on GPU is what the trainer computes in anyway
-              dtype="float32" if cpu else "bfloat16",
-              gpu_memory_utilization=CPU_MEM_UTIL if cpu else gpu_memory_utilization,
-              distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-              # CPU: skip the inductor compile (minutes-scale warmup on few cores, tiny models)
-              enforce_eager=cpu, enable_prefix_caching=True,
-              # CPU: a chunked prefill of a seeded request crashes vLLM 0.32's CPU runner
-              # ("CPU Generator does not use offset")
-              enable_chunked_prefill=not cpu,
-              use_tqdm_on_load=verbose, **engine_args)   # "Loading safetensors checkpoint shards"
+    vllm = LLM(model=model_path, max_model_len=max_model_len, seed=seed + rank,
+               # fp32 on CPU makes synced weights bit-equal to the trainer's (tests compare
+               # logprobs); bf16 on GPU is what the trainer computes in anyway
+               dtype="float32" if cpu else "bfloat16",
+               gpu_memory_utilization=CPU_MEM_UTIL if cpu else gpu_memory_utilization,
+               distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+               # CPU: skip the inductor compile (minutes-scale warmup on few cores, tiny models)
+               enforce_eager=cpu, enable_prefix_caching=True,
+               # CPU: a chunked prefill of a seeded request crashes vLLM 0.32's CPU runner
+               # ("CPU Generator does not use offset")
+               enable_chunked_prefill=not cpu,
+               use_tqdm_on_load=verbose, **engine_args)   # "Loading safetensors checkpoint shards"
     # the rotary cos/sin cache is not in HF checkpoints, so every reload warns that it kept the
     # engine's own copy, which is right (set after LLM(): vLLM configures its loggers there)
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-    llm.adapter = None   # the LoRARequest a request gets unless told one (sync_weights sets it)
-    # adapters are served on model_path's weights: after other full weights went in (serve_hf,
-    # sync_weights), serve_adapter puts these back first (METHOD.md "LoRA")
-    llm.base_path = model_path
-    llm.base_replaced = False
-    llm.adapter_ids = 0  # adapter ids used so far: each version gets a new one (sync_adapter)
     # where this rank writes the adapters it serves: each policy's version and the next one's
     adapter_bytes = 0
     if lora_rank:
-        adapter = parameter_counts(llm.llm_engine.model_config.hf_config, lora_rank)[1]
-        adapter_bytes = 2 * max_loras * adapter * llm.llm_engine.model_config.dtype.itemsize
-    llm.adapter_dir = tempfile.mkdtemp(prefix="rloo-adapters-", dir=adapter_root(adapter_bytes))
+        adapter = parameter_counts(vllm.llm_engine.model_config.hf_config, lora_rank)[1]
+        adapter_bytes = 2 * max_loras * adapter * vllm.llm_engine.model_config.dtype.itemsize
+    adapter_dir = tempfile.mkdtemp(prefix="rloo-adapters-", dir=adapter_root(adapter_bytes))
+    llm = Engine(vllm, model_path, adapter_dir)
     _ENGINES.append(llm)
     return llm
 
@@ -354,7 +353,7 @@ def shutdown() -> None:
     vLLM's groups, the default one too (left to the interpreter's exit, it fails)."""
     while _ENGINES:
         llm = _ENGINES.pop()
-        llm.llm_engine.engine_core.shutdown()
+        llm.vllm.llm_engine.engine_core.shutdown()
         shutil.rmtree(llm.adapter_dir, ignore_errors=True)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -391,7 +390,7 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
                              stop=stop, include_stop_str_in_output=stop is not None)
               for i in range(lo, hi)]
     lora = adapters[lo:hi] if adapters is not None else llm.adapter
-    outs = llm.generate(inputs, params, lora_request=lora, use_tqdm=False) if inputs else []
+    outs = llm.vllm.generate(inputs, params, lora_request=lora, use_tqdm=False) if inputs else []
     mine = [[Sample(c.text, list(c.token_ids), list(o.prompt_token_ids),
                     [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if logprobs else None)
              for c in (o.outputs * n if greedy else o.outputs)] for o in outs]
@@ -444,7 +443,7 @@ def sample_turns(llm, prompt, k: int, *, answer_prompt: list[int], stop: str, tu
     of turn 2 seed + k + i. Returns each sample's turns, (turn 1, turn 2), and its text: turns 1
     and 2 with answer_prompt between, as decoded by the engine's tokenizer; a turn 1 that did not
     end has no turn 2 and the text ""."""
-    decode = llm.get_tokenizer().decode
+    decode = llm.vllm.get_tokenizer().decode
     firsts = [_end_turn(o[0], turn_end, decode)
               for o in generate(llm, [prompt] * k, temperature=temperature,
                                 max_tokens=max_tokens, seed=seed, stop=stop, group=group)]
@@ -559,7 +558,7 @@ def sync_weights(policy: Policy, llm) -> None:
     adapter alone (sync_adapter)."""
     if policy.adapter is not None:
         return sync_adapter(policy, llm)
-    dtype = llm.llm_engine.model_config.dtype
+    dtype = llm.vllm.llm_engine.model_config.dtype
     reshard(policy.model)
 
     def weights():
@@ -574,12 +573,12 @@ def _reload_engine(llm, weights, base_replaced: bool) -> None:
     """Full weights, a generator of (name, tensor), into this rank's engine: requests are served by
     them from then on. `base_replaced`: they are not the engine's base, so serve_adapter puts the
     base back before an adapter is served on it."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    llm.vllm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     unread = [name for name, _ in weights]   # drained, so every rank runs the same all-gathers
     if unread:   # vLLM stopped reading early: the engine would serve stale weights
         raise RuntimeError(f"the engine's reload_weights left {len(unread)} tensors unread, "
                            f"the first {unread[0]}: its weights would be stale")
-    llm.reset_prefix_cache()
+    llm.vllm.reset_prefix_cache()
     llm.adapter = None   # requests are served by these weights
     llm.base_replaced = base_replaced
 
@@ -600,7 +599,7 @@ def serve_hf(llm, path: str) -> None:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"{path}: no *.safetensors weights to serve")
-    dtype = llm.llm_engine.model_config.dtype
+    dtype = llm.vllm.llm_engine.model_config.dtype
 
     def weights():
         embedding = None
@@ -836,8 +835,8 @@ def rl_step(policy: Policy, llm, batch: list[tuple[str, str]], **kwargs) -> dict
 
 
 def rl_steps(policies: list[Policy], llm, batches: list[list[tuple[str, str]]], *, prompt, reward,
-             samples: int, temperature: float, max_tokens: int, seed: int, group,
-             micro_batch_tokens: int, advantages, loss,
+             samples: int, max_tokens: int, seed: int, temperature: float = 1.0, group=None,
+             micro_batch_tokens: int = 16384, advantages=rloo_advantages, loss=rloo_loss,
              train_temperature: float | None = None) -> list[dict]:
     """One RL step of each policy on its batch of (question, answer) pairs (METHOD.md "Inner loop";
     also eval.py's fresh students): sync, sample `samples` completions of prompt(question) per
@@ -847,7 +846,10 @@ def rl_steps(policies: list[Policy], llm, batches: list[list[tuple[str, str]]], 
     sept_advantages: all 1), then one `loss` update per policy at train_temperature (default: the
     sampling one). Phases: sync, student_rollouts (sampling and scoring). Returns, per policy,
     train_step's stats, the mean `reward`, `rewards` (flat, question by question) and
-    `nontrivial`: per question, did its rewards vary."""
+    `nontrivial`: per question, did its rewards vary. `group`: the ranks that share the sampling
+    and grading (default: those of the policies' mesh)."""
+    if group is None:
+        group = policies[0].mesh.get_group()
     with timed("sync"):
         for policy in policies:
             sync_weights(policy, llm)
@@ -926,25 +928,17 @@ def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
     return model
 
 
-def _lr_lambda(warmup: int, total: int | None):
-    # linear warmup (step 0 already gets 1/warmup of the lr) then cosine decay to 0 at total (None:
-    # no decay)
-    def f(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        if total is None:
-            return 1.0
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-    return f
-
-
 def reset_optimizer(policy: Policy, *, lr: float, warmup_steps: int,
                     total_steps: int | None) -> None:
     """fresh AdamW state + schedule (every student inner loop starts one)"""
     policy.optimizer = torch.optim.AdamW(trainable(policy).values(), lr=lr, betas=ADAM_BETAS,
                                          eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
-    policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer,
-                                                         _lr_lambda(warmup_steps, total_steps))
+    # linear warmup from 0 over warmup_steps, then cosine to 0 at total_steps (None: constant)
+    if total_steps is None:
+        policy.scheduler = get_constant_schedule_with_warmup(policy.optimizer, warmup_steps)
+    else:
+        policy.scheduler = get_cosine_schedule_with_warmup(policy.optimizer, warmup_steps,
+                                                           total_steps)
 
 
 def prompt_pass(choice: str, device_type: str) -> bool:
@@ -989,7 +983,7 @@ def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: i
 
 
 # -----------------------------------------------------------------------------
-# GPU memory per rank and the engine sized for a step (METHOD.md "Scale layout")
+# the model's size and the engine sized for a step (METHOD.md "Scale layout")
 
 def parameter_counts(config, lora_rank: int = 0) -> tuple[int, int]:
     """(parameters of the causal LM of HF `config`, parameters of one rank-`lora_rank` adapter on
@@ -999,45 +993,6 @@ def parameter_counts(config, lora_rank: int = 0) -> tuple[int, int]:
     n = sum(p.numel() for p in model.parameters())
     linear = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
     return n, sum(lora_rank * (m.in_features + m.out_features) for m in linear)
-
-
-def memory_per_rank(config, *, gpu_gib: float, engine_share: float, policy_ranks: list[int],
-                    lora_rank: int = 0, adapters: int = 0, kl: bool = True,
-                    micro_batch_tokens: int = 16384,
-                    activation_checkpointing: bool = True) -> dict[str, float]:
-    """GiB a rank holds on a GPU of gpu_gib (METHOD.md "Scale layout"): the engine's share (bf16
-    weights and KV cache), then the trainer's: full fine-tuning, each policy (fp32 weights and
-    AdamW) sharded over its policy_ranks and, with `kl`, its bf16 reference likewise, and the
-    gradients of the one that trains (train_step frees them after its update); LoRA (lora_rank),
-    one whole bf16 base and `adapters` fp32 adapters with AdamW, one with its gradients; one
-    micro-batch's activations (activation_gib) and a margin for the CUDA context (CONTEXT_GIB).
-    The one place this is computed: soar.py's check before anything loads, bench_rloo.py
-    --memory_table and docs/scale.md."""
-    n, a = parameter_counts(config, lora_rank)
-    est = {"engine": engine_share * gpu_gib}
-    if lora_rank:
-        est["base"] = 2 * n / GIB
-        est["adapters"] = (adapters * HELD_BYTES + GRAD_BYTES) * a / GIB
-    else:
-        est["policies"] = sum(HELD_BYTES * n / r for r in policy_ranks) / GIB
-        est["gradients"] = max(GRAD_BYTES * n / r for r in policy_ranks) / GIB
-        est["references"] = sum(2 * n / r for r in policy_ranks) / GIB if kl else 0.0
-    est["activations"] = activation_gib(config, micro_batch_tokens, activation_checkpointing)
-    est["context"] = CONTEXT_GIB
-    est["total"] = sum(est.values())
-    return est
-
-
-def activation_gib(config, micro_batch_tokens: int, activation_checkpointing: bool) -> float:
-    """one micro-batch's activations and transient buffers (the ACTIVATION_ parts, scaled from the
-    shape they were measured at to config's): an estimate"""
-    vocab, width, depth = ACTIVATION_REF
-    fixed = ACTIVATION_FIXED_GIB * config.vocab_size * config.hidden_size / (vocab * width)
-    head = (ACTIVATION_HEAD_GIB * min(micro_batch_tokens, LOGIT_CHUNK_TOKENS)
-            * config.vocab_size / vocab)
-    tokens = (ACTIVATION_TOKEN_GIB * micro_batch_tokens
-              * config.hidden_size * config.num_hidden_layers / (width * depth))
-    return fixed + head + tokens * (1 if activation_checkpointing else NO_CHECKPOINT_FACTOR)
 
 
 def step_engine_args(seqs: int, prompt_tokens: int) -> dict:
@@ -1054,7 +1009,7 @@ def step_engine_args(seqs: int, prompt_tokens: int) -> dict:
 
 def kv_capacity(llm) -> int:
     """tokens this rank's engine holds in its KV cache (what vLLM profiled at start)"""
-    return llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens or 0
+    return llm.vllm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens or 0
 
 
 # -----------------------------------------------------------------------------
@@ -1180,7 +1135,7 @@ def serve_adapter(llm, path: str):
         serve_hf(llm, llm.base_path)
     llm.adapter_ids += 1
     request = LoRARequest(f"adapter-{llm.adapter_ids}", llm.adapter_ids, path)
-    llm.llm_engine.add_lora(request)
+    llm.vllm.llm_engine.add_lora(request)
     llm.adapter = request
     return request
 
@@ -1190,11 +1145,11 @@ def sync_adapter(policy: Policy, llm) -> None:
     engine. Always a new id: vLLM caches adapters by id, and new weights under an id it holds
     would be served stale, silently. The policy's previous version leaves the engine."""
     path = os.path.join(llm.adapter_dir, str(llm.adapter_ids + 1))
-    write_adapter(policy, path, llm.llm_engine.model_config.dtype)
+    write_adapter(policy, path, llm.vllm.llm_engine.model_config.dtype)
     previous = policy.served
     policy.served = serve_adapter(llm, path)
     if previous is not None:
-        llm.llm_engine.remove_lora(previous.lora_int_id)
+        llm.vllm.llm_engine.remove_lora(previous.lora_int_id)
         shutil.rmtree(previous.lora_path, ignore_errors=True)
 
 

@@ -383,8 +383,9 @@ def measure(model_dir: str, r: dict, seed: int, log=print) -> tuple[dict, list[d
     rloo.init_distributed()  # a 1-rank group: build_engine's external_launcher wants one
     llm = rloo.build_engine(model_dir, max_model_len=MAX_MODEL_LEN, seed=seed)
     t0 = time.time()
-    teacher = rloo.generate(llm, [data.teacher_prompt(llm.get_tokenizer())], n=r["teacher_samples"],
-                            max_tokens=MAX_TOKENS, seed=seed)[0]
+    prompt = data.teacher_prompt(llm.vllm.get_tokenizer())
+    teacher = rloo.generate(llm, [prompt], n=r["teacher_samples"], max_tokens=MAX_TOKENS,
+                            seed=seed)[0]
     prof = teacher_profile([x.text for x in teacher])
     log(f"teacher: {prof['valid_pair_rate']:.0%} valid pairs, e.g. {teacher[0].text!r}")
     log(f"teacher: answers right {prof['answer_right']:.0%}; pairs with a step of kind " +
@@ -424,12 +425,38 @@ def measure(model_dir: str, r: dict, seed: int, log=print) -> tuple[dict, list[d
 # building (once per recipe, cached)
 
 def build_key(small: bool, seed: int) -> str:
-    """What the world depends on: the recipe above and the prompts it is trained on."""
+    """What the world depends on: the recipe above, the prompts it is trained on and the grader
+    that decides its hard set."""
     recipe = dict(version=VERSION, recipe=RECIPES["small" if small else "default"], seed=seed,
                   family=[KINDS, VERBS, START, STEP], vocab=VOCAB_SIZE, chat_template=CHAT_TEMPLATE,
                   max_tokens=MAX_TOKENS, env=PINNED_ENV,
-                  prompts=[data.TEACHER_PROMPT, data.STUDENT_PROMPT])
+                  prompts=[data.TEACHER_PROMPT, data.STUDENT_PROMPT], grader=grader())
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def grader() -> list:
+    """What decides which problems are hard (fail@k counts data.solved): the code of data.solved
+    and of what it calls, without its comments and docstrings, its constants, and math-verify's
+    version. A fork that changes any of them gets another key, so a world built again."""
+    import ast
+    import importlib.metadata
+    import inspect
+    import textwrap
+    funcs = (data.solved, data.grade, data.student_reward, data.last_boxed, data._mv_parse,
+             data._answer_parses)
+    code = []
+    for f in funcs:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(f)))
+        for node in ast.walk(tree):   # drop docstrings: the first statement, a string
+            body = getattr(node, "body", None)
+            first = body[0] if isinstance(body, list) and body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and \
+                    isinstance(first.value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        code.append(ast.dump(tree))
+    constants = [data.R_CORRECT, data.R_CONTAINS, data.R_BOXED, data.R_NONE, data.MV_TIMEOUT_S,
+                 data.DEADLINE_S, data.REWARD_READS_BOXED_ONLY]
+    return [code, constants, importlib.metadata.version("math-verify")]
 
 
 def fingerprint(train: list[dict], test: list[dict]) -> str:

@@ -17,7 +17,7 @@ model-FLOP utilisation. A random model of the chosen shape is written first (no 
         # call per adapter (soar.py's LoRA students share a call)
     python bench/bench_rloo.py --shape llama3b --memory_table [--lora_rank 32]
         # GPU memory per rank of SOAR at the paper's settings (full fine-tuning, or LoRA), from
-        # the config: rloo.memory_per_rank, the arithmetic of soar.py's check before it loads
+        # the config: launch.memory_per_rank, the arithmetic of soar.py's check before it loads
 
 Both forward paths of token_logprobs (shared prompts, one causal pass per row: rloo.prompt_pass)
 run in turn on the same batch unless --prompt_pass names one; bench/h200.sh runs the GPU checks.
@@ -103,7 +103,7 @@ def peak_mem_gib(dev):
 
 def memory_table(shape: str, rank: int) -> str:
     """GPU memory per rank of SOAR at the paper's settings (PAPER), from the shape's config alone
-    (rloo.memory_per_rank, the arithmetic of soar.py's check), for 1 to 32 GPUs: G = the most
+    (launch.memory_per_rank, the arithmetic of soar.py's check), for 1 to 32 GPUs: G = the most
     groups up to g*r (launch.student_groups), each rank training ceil(g*r / G) student adapters at
     once beside the teacher's with LoRA rank `rank` (METHOD.md "LoRA"), else the teacher sharded
     over all ranks and a student over its group's (rank 0: full fine-tuning)."""
@@ -112,16 +112,16 @@ def memory_table(shape: str, rank: int) -> str:
     students = PAPER["students"]
 
     def per_rank(W, G, adapters):
-        return {gpu: rloo.memory_per_rank(cfg, gpu_gib=mem, engine_share=ENGINE_SHARE,
+        return {gpu: launch.memory_per_rank(cfg, gpu_gib=mem, engine_share=ENGINE_SHARE,
                                           policy_ranks=[W, W // G], lora_rank=rank,
                                           adapters=adapters) for gpu, mem in GPUS.items()}
-    per_adapter = (rloo.HELD_BYTES + rloo.GRAD_BYTES) * a / rloo.GIB
+    per_adapter = (launch.HELD_BYTES + launch.GRAD_BYTES) * a / launch.GIB
     what = (f"LoRA rank {rank} (an adapter {a / 1e6:.1f} M = {a / n:.1%}, {per_adapter:.2f} GiB "
             "with its gradient and AdamW)" if rank else "full fine-tuning")
     parts = [k for k in per_rank(1, 1, 1)["H100"] if k not in ("engine", "total")]
     lines = [f"SOAR with {what} on {shape} ({n / 1e9:.2f} B parameters), g*r = {students} "
              f"students of {PAPER['rollouts']} rollouts x {PAPER['tokens']} tokens, "
-             f"{ENGINE_SHARE:.0%} of each GPU to vLLM; GiB per rank (rloo.memory_per_rank):",
+             f"{ENGINE_SHARE:.0%} of each GPU to vLLM; GiB per rank (launch.memory_per_rank):",
              "| GPUs | groups | students per rank | engine (bf16 weights + KV) | "
              + " | ".join(parts) + " | total H100 / H200 | fits H100 / H200 "
              "| training hours, 200 steps |",
@@ -141,7 +141,7 @@ def memory_table(shape: str, rank: int) -> str:
     lines.append(f"training hours: the students' {per_token}N FLOP per token (the policy's "
                  f"{per_token - 2}N, the KL reference's 2N) over S = {PAPER['inner_steps']}, at "
                  f"{ASSUMED_MFU:.0%} MFU of 989 TFLOP/s; generation, evaluation and the teacher "
-                 "come on top. Activations: rloo.activation_gib, from H200 peaks of the 3B "
+                 "come on top. Activations: launch.activation_gib, from H200 peaks of the 3B "
                  "(docs/scale.md); context: a margin for the CUDA context and NCCL.")
     if rank:
         teachers, students = POPULATION
@@ -416,7 +416,7 @@ def time_adapters(llm, policy, prompts: list, samples: int, gen_len: int, dev) -
                 if name.endswith("lora_B"):
                     p.copy_(0.01 * torch.randn(p.shape, generator=g))
         folder = os.path.join(llm.adapter_dir, f"bench-{k}")
-        rloo.write_adapter(policy, folder, llm.llm_engine.model_config.dtype)
+        rloo.write_adapter(policy, folder, llm.vllm.llm_engine.model_config.dtype)
         requests.append(rloo.serve_adapter(llm, folder))
     kw = dict(n=samples, max_tokens=gen_len, group=dist.group.WORLD)
     rloo.generate(llm, prompts[:1], n=2, max_tokens=4, seed=0, adapters=requests[:1])   # warm-up
@@ -449,10 +449,11 @@ def time_generation(llm, prompts: list, samples: int, gen_len: int, dev) -> str:
 
 def estimate_line(kind: str, path: str, args, batch: Batch, world: int, ac: bool,
                   results: dict) -> str:
-    """(GPU) rloo.memory_per_rank's estimate of this run's memory per rank (what soar.py's check
+    """(GPU) launch.memory_per_rank's estimate of this run's memory per rank (what soar.py's check
     computes; the held engine share counts as the engine) beside the peaks measured"""
-    gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / rloo.GIB
-    est = rloo.memory_per_rank(AutoConfig.from_pretrained(path), gpu_gib=gpu_gib,
+    gpu = torch.cuda.get_device_properties(torch.cuda.current_device())
+    gpu_gib = gpu.total_memory / launch.GIB
+    est = launch.memory_per_rank(AutoConfig.from_pretrained(path), gpu_gib=gpu_gib,
                                engine_share=args.gpu_memory_utilization, policy_ranks=[world],
                                lora_rank=args.lora_rank if kind == "lora" else 0, adapters=1,
                                micro_batch_tokens=batch.micro_batch_tokens,
@@ -460,7 +461,7 @@ def estimate_line(kind: str, path: str, args, batch: Batch, world: int, ac: bool
     parts = ", ".join(f"{k} {v:.1f}" for k, v in est.items() if k != "total")
     peaks = ", ".join(f"{p} {r['peak_gib']:.1f}" for (k, p), r in results.items() if k == kind)
     return (f"estimate ({kind}): {est['total']:.1f} GiB per rank ({parts}; "
-            f"rloo.memory_per_rank), measured peak {peaks} GiB")
+            f"launch.memory_per_rank), measured peak {peaks} GiB")
 
 
 def train_line(kind: str, name: str, r: dict, batch: Batch, dev, world: int, n_params: int,

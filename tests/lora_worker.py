@@ -77,8 +77,8 @@ def stale_errs(llm, base, mesh, lo, hi):
     compared and updated 3 times; the errors after each sync"""
     import rloo
     global SYNC
-    for lora_id in list(llm.llm_engine.list_loras()):
-        llm.llm_engine.remove_lora(lora_id)
+    for lora_id in list(llm.vllm.llm_engine.list_loras()):
+        llm.vllm.llm_engine.remove_lora(lora_id)
     SYNC, rloo.sync_adapter = rloo.sync_adapter, stale_sync
     prompts, comps, rewards = fixed_batch()
     adv = rloo.rloo_advantages(rewards).flatten().tolist()
@@ -103,8 +103,8 @@ def stale_sync(policy, llm):
     import rloo
     if policy.served is None:
         return SYNC(policy, llm)
-    rloo.write_adapter(policy, policy.served.lora_path, llm.llm_engine.model_config.dtype)
-    llm.llm_engine.add_lora(policy.served)
+    rloo.write_adapter(policy, policy.served.lora_path, llm.vllm.llm_engine.model_config.dtype)
+    llm.vllm.llm_engine.add_lora(policy.served)
     llm.adapter = policy.served
 
 
@@ -173,7 +173,7 @@ def main(out, base, mode=""):
                                                 loss=rloo.rloo_loss, temperature=1.0,
                                                 micro_batch_tokens=24))
     res["teacher_trained"] = rloo.snapshot(teacher)
-    res["live_adapters"] = len(llm.llm_engine.list_loras())
+    res["live_adapters"] = len(llm.vllm.llm_engine.list_loras())
     res["lockstep"] = lockstep(llm, student, theta, base, mesh)
 
     # a promotion's restart: the student back to theta, synced

@@ -106,7 +106,7 @@ def with_ref(pol, ref_path, mesh):
 
 def engine_prompt_logprobs(llm, seqs):
     from vllm import SamplingParams
-    outs = llm.generate([{"prompt_token_ids": s} for s in seqs],
+    outs = llm.vllm.generate([{"prompt_token_ids": s} for s in seqs],
                         SamplingParams(prompt_logprobs=0, max_tokens=1), use_tqdm=False)
     return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])]
             for o, s in zip(outs, seqs)]
@@ -154,10 +154,11 @@ def main(out, base, ref):
     # the teacher prompt goes in as ids and comes back (the ids the trainer scores) unchanged, with
     # one BOS; the same prompt as text would get a second BOS from the engine's tokenizer
     import data
-    ids = data.teacher_prompt(llm.get_tokenizer())
+    ids = data.teacher_prompt(llm.vllm.get_tokenizer())
     res["teacher_ids"] = ids
     res["engine_ids"] = rloo.generate(llm, [ids], max_tokens=2, seed=0)[0][0].prompt_token_ids
-    res["engine_ids_of_text"] = rloo.generate(llm, [llm.get_tokenizer().decode(ids)], max_tokens=2,
+    text = llm.vllm.get_tokenizer().decode(ids)
+    res["engine_ids_of_text"] = rloo.generate(llm, [text], max_tokens=2,
                                               seed=0)[0][0].prompt_token_ids
 
     tick("generate")
@@ -204,7 +205,7 @@ def main(out, base, ref):
 
     # --- the trainer's log-probs at the sampling temperature are the engine's (on-policy at T != 1)
     from vllm import SamplingParams
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]],
+    outs = llm.vllm.generate([{"prompt_token_ids": p} for p in prompts[:4]],
                         SamplingParams(temperature=0.7, logprobs=0, max_tokens=6, seed=3),
                         use_tqdm=False)
     for T in (0.7, 1.0):

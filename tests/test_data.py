@@ -106,6 +106,18 @@ def test_grade_sends_each_distinct_pair_once(monkeypatch):
     assert sent == [("\\boxed{0.5}", "1/2")]   # plain integers are compared without a worker
 
 
+def test_a_reward_that_reads_the_whole_completion_sees_it(monkeypatch):
+    """grade's contract (data.REWARD_READS_BOXED_ONLY): off, every distinct (completion, gold)
+    reaches student_reward whole, an unboxed one and a plain integer too (here a scripted pool)"""
+    sent = []
+    monkeypatch.setattr(data, "REWARD_READS_BOXED_ONLY", False)
+    monkeypatch.setattr(data, "_pool_map", lambda kind, items, on_timeout: sent.extend(items) or
+                        [float(len(c)) for c, _ in items])
+    comps = ["so \\boxed{4}", "\\boxed{4}", "no box", "so \\boxed{4}"]
+    assert data.grade(comps, ["4"] * 4) == [12.0, 9.0, 6.0, 12.0]
+    assert sent == [("so \\boxed{4}", "4"), ("\\boxed{4}", "4"), ("no box", "4")]
+
+
 def test_integer_pairs_graded_as_math_verify_grades_them():
     ints = ["0", "-0", "7", "07", "-7", "12", "112", "121", "-12", "1200", "999999999999999999"]
     pairs = [(f"so \\boxed{{{b}}}.", g) for b in ints + [" 12 ", "12.0", "1,2", "\x1e1", "\u0663"]

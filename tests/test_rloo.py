@@ -5,6 +5,7 @@ rloo.py on real parts: the vLLM CPU engine and FSDP2 over gloo. The worker
 """
 import itertools
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -79,13 +80,10 @@ def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
     assert not (tmp_path / "step-5").exists()
 
 
-class ScriptedEngine:
-    """what serve_hf and _reload_engine use of build_engine's engine: reload_weights reads the
-    first `reads` tensors it is given (None: all)"""
-    def __init__(self, base_path, reads=None):
-        self.base_path = base_path
-        self.base_replaced = True
-        self.adapter = None
+class ScriptedVLLM:
+    """what serve_hf and _reload_engine use of vLLM's LLM: reload_weights reads the first `reads`
+    tensors it is given (None: all)"""
+    def __init__(self, reads=None):
         self.reads = reads
         self.read = []
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
@@ -96,6 +94,10 @@ class ScriptedEngine:
 
     def reset_prefix_cache(self):
         pass
+
+
+def scripted_engine(base_path, reads=None):
+    return rloo.Engine(ScriptedVLLM(reads), base_path, adapter_dir="", base_replaced=True)
 
 
 def test_a_hub_named_base_served_again_is_the_base_and_unread_weights_are_an_error(tmp_path,
@@ -110,14 +112,15 @@ def test_a_hub_named_base_served_again_is_the_base_and_unread_weights_are_an_err
     save_file({"model.embed_tokens.weight": torch.ones(2, 2), "model.norm.weight": torch.ones(2)},
               str(folder / "model.safetensors"))
     monkeypatch.setattr(hub, "snapshot_download", lambda name, **kwargs: str(folder))
-    llm = ScriptedEngine("org/tiny-model")
+    llm = scripted_engine("org/tiny-model")
     rloo.serve_hf(llm, "org/tiny-model")
     assert not llm.base_replaced
-    assert llm.read == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]   # tied
+    assert llm.vllm.read == ["model.embed_tokens.weight", "model.norm.weight",
+                             "lm_head.weight"]   # tied: the embedding
     rloo.serve_hf(llm, "org/other-model")
     assert llm.base_replaced
     with pytest.raises(RuntimeError, match="left 2 tensors unread, the first model.norm.weight"):
-        rloo.serve_hf(ScriptedEngine("org/tiny-model", reads=1), "org/tiny-model")
+        rloo.serve_hf(scripted_engine("org/tiny-model", reads=1), "org/tiny-model")
 
 
 def test_two_turns_end_the_question_where_the_format_filter_does(monkeypatch):
@@ -138,7 +141,8 @@ def test_two_turns_end_the_question_where_the_format_filter_does(monkeypatch):
                 for prompt in prompts]
 
     monkeypatch.setattr(rloo, "generate", fake_generate)
-    llm = SimpleNamespace(get_tokenizer=lambda: SimpleNamespace(decode=decode))
+    tokenizer = SimpleNamespace(decode=decode)
+    llm = SimpleNamespace(vllm=SimpleNamespace(get_tokenizer=lambda: tokenizer))
     samples, texts = rloo.sample_turns(llm, list("p"), 4, answer_prompt=list("<answer>"),
                                        stop=data.QUESTION_STOP, turn_end=data.question_end,
                                        max_tokens=64, temperature=1.0, seed=0)
@@ -261,16 +265,13 @@ def test_learning(runs):
     assert runs["two"][0]["rewards"] == runs["two"][1]["rewards"]
 
 
-STANDALONE = r"""
+TINY_MODEL = r"""
 import sys
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
-import rloo
 
-assert rloo.__file__.startswith(sys.argv[1]), rloo.__file__   # the copy, not the repository's
-path = sys.argv[1] + "/model"
+path = sys.argv[1]   # a tiny Llama whose word-level vocabulary decodes any id it samples
 vocab = {f"w{i}": i for i in range(64)}
 tok = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
 tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -281,25 +282,6 @@ LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=12
                              num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
                              tie_word_embeddings=True, bos_token_id=0,
                              eos_token_id=1)).save_pretrained(path)
-rank, world, dev = rloo.init_distributed()
-llm = rloo.build_engine(path, max_model_len=64)
-policy = rloo.load_policy(path, init_device_mesh("cpu", (world,)), lr=1e-3, warmup_steps=0,
-                          total_steps=10)
-before = rloo.snapshot(policy)
-batch = [("w5 w6", "w7"), ("w8 w9", "w10")]
-
-
-def reward(completions, answers):   # a reward of the caller's: how often the answer's word appears,
-    return [c.split().count(a) + 0.1 * len(c) for c, a in zip(completions, answers)]   # and length
-
-
-stats = rloo.rl_step(policy, llm, batch, prompt=lambda q: q, reward=reward, samples=4,
-                     temperature=1.0, max_tokens=6, seed=0, group=None, micro_batch_tokens=256,
-                     advantages=rloo.rloo_advantages, loss=rloo.rloo_loss)
-moved = any(not torch.equal(v, before[k]) for k, v in rloo.snapshot(policy).items())
-print("STATS", stats["tokens"] > 0, len(stats["rewards"]) == 8, moved,
-      rloo.METER.gathered()["tokens/generated/student_rollouts"] > 0)
-rloo.shutdown()
 """
 
 
@@ -331,16 +313,25 @@ def test_a_hung_rank_ends_the_job_naming_the_collective(tmp_path):
     assert rloo.COLLECTIVE_TIMEOUT_MIN >= 60   # not torch's default 10 minutes
 
 
-def test_rloo_stands_alone(tmp_path):
-    """rloo.py copied alone into an empty folder: it imports there and runs a generation and an RL
-    step on a tiny model, with a prompt and a reward of the caller's"""
+def test_rloo_stands_alone_and_its_example_runs_as_written(tmp_path):
+    """rloo.py copied alone into an empty folder, and the example of its docstring run there, as
+    written, on one process: a tiny model at its path (my/model) and its toy reward. It trains:
+    each of its 10 steps prints its reward and loss."""
     import shutil
+    import textwrap
     shutil.copy(os.path.join(ROOT, "rloo.py"), tmp_path)
+    lines = rloo.__doc__.split("\n\n    import rloo")[1].split("\nLayout")[0]
+    example = textwrap.dedent("    import rloo" + lines)
+    (tmp_path / "example.py").write_text(example)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run([sys.executable, "-c", STANDALONE, str(tmp_path)], cwd=tmp_path, env=env,
+    p = subprocess.run([sys.executable, "-c", TINY_MODEL, "my/model"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "STATS True True True True" in p.stdout, p.stdout[-3000:]
+    steps = re.findall(r"step (\d+): reward ([\d.]+), loss (-?[\d.]+)", p.stdout)
+    assert [int(s) for s, _, _ in steps] == list(range(10)), p.stdout[-3000:]
 
 
 def test_data_stands_alone(tmp_path):

@@ -101,10 +101,14 @@ def test_finished_run_does_nothing(full_run):
 
 
 def test_other_settings_refused(full_run):
+    """a run with steps to go refuses other settings; a finished one first says it is finished"""
     out, _ = full_run
-    p = soar(out, "--dataset_size", "5")
+    p = soar(out, "--dataset_size", "5", "--outer_steps", "4")
     assert p.returncode != 0 and "other settings" in p.stdout + p.stderr and \
         "'dataset_size': (4, 5)" in p.stdout + p.stderr
+    p = soar(out, "--dataset_size", "5")
+    assert p.returncode == 0 and "all 3 steps are done already; nothing to do" in p.stdout and \
+        "'dataset_size': (4, 5)" in p.stdout
 
 
 @pytest.fixture(scope="module")

@@ -121,7 +121,7 @@ def test_settings_that_cannot_work_are_named_by_flag():
 def test_a_layout_that_cannot_fit_is_named_before_anything_loads(tmp_path):
     """launch.check_settings on a GPU of a given size (a fake one: these are CPU tests), from the 3B
     and 7B configs bench_rloo.py knows: the paper's 32 H200s fit, one node of 8 H100s does not and
-    the line names the figures and the flags that make it fit (rloo.memory_per_rank)"""
+    the line names the figures and the flags that make it fit (launch.memory_per_rank)"""
     import importlib.util
     import os
     from transformers import LlamaConfig
@@ -168,8 +168,8 @@ def test_a_layout_that_cannot_fit_is_named_before_anything_loads(tmp_path):
     assert "~83 GiB" in line
     # the activations: a fixed part, the head's chunk and a part per token (docs/scale.md)
     config = LlamaConfig(**bench.SHAPES["llama3b"])
-    assert rloo.activation_gib(config, 16384, True) == pytest.approx(11.9, abs=0.05)   # measured
-    assert rloo.activation_gib(config, 8192, True) > 11.9 / 2 + 2.5
+    assert launch.activation_gib(config, 16384, True) == pytest.approx(11.9, abs=0.05)   # measured
+    assert launch.activation_gib(config, 8192, True) > 11.9 / 2 + 2.5
 
 
 def test_the_engine_is_sized_for_an_inner_step(monkeypatch):

@@ -57,6 +57,25 @@ def test_describe_reads_what_the_teacher_wrote():
     assert set(world.USEFUL) <= set(world.CATEGORIES)
 
 
+def test_the_cache_key_follows_the_grader(monkeypatch):
+    """a world's hard set is what data.solved never solves: another grader (its code or its
+    constants) is another key, so a cached world is not reused with it"""
+    key = world.build_key(small=True, seed=0)
+    assert world.build_key(small=True, seed=0) == key
+
+    def last_boxed(text):   # a fork's extraction: the first box, not the last
+        start = text.find("\\boxed{")
+        return None if start < 0 else text[start + 7:].split("}")[0]
+
+    with monkeypatch.context() as m:
+        m.setattr(data, "last_boxed", last_boxed)
+        assert world.build_key(small=True, seed=0) != key
+    with monkeypatch.context() as m:
+        m.setattr(data, "R_CORRECT", 1.0)
+        assert world.build_key(small=True, seed=0) != key
+    assert world.build_key(small=True, seed=0) == key
+
+
 def test_unfinished_folder_is_not_a_world(tmp_path):
     # e.g. a crash mid-build under the final name (cannot happen: tmp + rename)
     (tmp_path / "w").mkdir()
