@@ -66,9 +66,11 @@ class Config:
         "every this many rounds, before the round, replace each population's lowest-rated "
         "member (0: never; never after the last round)", least=0)
     crossover: str = launch.flag("layers", "evolution's crossover of the two best: each layer "
-                                 "from one parent, or a DARE merge", choices=("layers", "dare"))
-    dare_drop: float = launch.flag(0.5, "--crossover dare: the share of the parents' difference "
-                                   "dropped (the rest is rescaled)")
+                                 "from one parent, an entry-wise uniform crossover of their "
+                                 "updates, or a DARE merge of them (METHOD.md \"PopuLoRA\")",
+                                 choices=("layers", "uniform", "dare"))
+    dare_drop: float = launch.flag(0.5, "--crossover uniform, dare: the share of entries dropped "
+                                   "(the rest is rescaled)")
     mutation: str = launch.flag("gaussian", "evolution's mutation of the child: Gaussian noise on "
                                 "every entry, or a rescaling of each update's singular values",
                                 choices=("gaussian", "svd"))
@@ -77,6 +79,10 @@ class Config:
     proposer_reward: str = launch.flag("azr", "a teacher's reward for a valid problem its "
                                        "student solves at rate s: 1 - s, and for s = 0 azr: 0 "
                                        "(Absolute Zero's), failure: 1", choices=("azr", "failure"))
+    format_penalties: bool = launch.flag(True, "Absolute Zero's format-aware rewards: a proposal "
+        "formatted but invalid -0.5, malformed -1; a solution correct 1, boxed but wrong -0.5, "
+        "unboxed -1 (--no-format_penalties: 0 for any invalid proposal, and the student reward "
+        "120/20/10/0 of METHOD.md \"Rewards\")")
     # ---- optimisation ----
     teacher_lr: float = launch.flag(1e-4, world=3e-4, help="AdamW, constant: the population "
         "trains while it plays (LoRA: ~10x full fine-tuning's)")
@@ -138,18 +144,29 @@ def pfsp_weights(teacher: list, students: list[list]) -> list[float]:
     return [max(p * (1 - p), 1e-12) for p in (win_probability(s, teacher) for s in students)]
 
 
-def match(teacher_ratings: list, student_ratings: list, rng: random.Random) -> list[int]:
+def match(teacher_ratings: list, student_ratings: list, rng: random.Random,
+          newcomers: tuple = (), can_teach: list | None = None) -> list[int]:
     """each teacher's student this round. Teachers draw in a random order, by pfsp_weights, from
     the students not yet drawn this round (all of them again once each has been drawn): with equal
-    populations every student plays exactly once, with more teachers at least once."""
+    populations every student plays exactly once, with more teachers at least once. A newcomer
+    (evolution's child, this round its first) is drawn first, by a teacher that can teach it
+    (can_teach[i]: wrote a problem this round), so it trains in its first round."""
     order = list(range(len(teacher_ratings)))
     rng.shuffle(order)
     pairs = [0] * len(teacher_ratings)
     free = []
     for i in order:
         free = free or list(range(len(student_ratings)))
-        weights = pfsp_weights(teacher_ratings[i], [student_ratings[j] for j in free])
-        pairs[i] = free.pop(rng.choices(range(len(free)), weights=weights)[0])
+        fresh = [j for j in free if j in newcomers]
+        if not fresh:
+            pool = free
+        elif can_teach is None or can_teach[i]:
+            pool = fresh
+        else:   # a teacher with nothing to teach leaves the newcomers to the others
+            pool = [j for j in free if j not in newcomers] or free
+        weights = pfsp_weights(teacher_ratings[i], [student_ratings[j] for j in pool])
+        pairs[i] = pool[rng.choices(range(len(pool)), weights=weights)[0]]
+        free.remove(pairs[i])
     return pairs
 
 
@@ -222,15 +239,35 @@ def mutate_gaussian(adapter: dict, sigma: float, seed: int) -> dict:
     return child
 
 
+def crossover_uniform(a: dict, b: dict, drop: float, seed: int, device=None) -> dict:
+    """A uniform crossover in update space (merge_updates): U_a + (U_b - U_a) m / (2 (1 - drop)),
+    m a Bernoulli(1 - drop) mask per entry, the parents' mean update in expectation; at drop 1/2
+    each entry is U_a's or U_b's. Equal parents give the parent's update."""
+    def merge(update_a, update_b, g):
+        kept = (torch.rand(update_a.shape, generator=g) >= drop).to(update_a.device)
+        return update_a + (update_b - update_a) * kept / (2 * (1 - drop))
+    return merge_updates(a, b, merge, seed, device)
+
+
 def crossover_dare(a: dict, b: dict, drop: float, seed: int, device=None) -> dict:
-    """DARE-style merge in update space: per layer, the parents' updates U_a = B_a A_a and
-    U_b = B_b A_b merge entry by entry as U_a + (U_b - U_a) m / (2 (1 - drop)), m a Bernoulli
-    (1 - drop) mask, the parents' mean update in expectation; the merge (full rank in general) is
-    then refactored to the adapters' rank r by its truncated SVD U S V^T: A = V_r^T (orthonormal
-    rows, as a fresh A's scale), B = U_r S_r, the closest rank-r update. The LoRA scale alpha / r
-    is the same for both parents and the child, so it cancels. Equal parents give the parent's
-    update (its factors may differ). The SVDs run on `device` (a GPU's: a 7B layer's take seconds
-    there, minutes on a CPU); the child comes back where the parents are."""
+    """DARE (drop and rescale; Yu et al. 2024) of the parents' updates to the frozen base
+    (merge_updates): each parent drops every entry of its update with probability `drop` (a mask
+    of its own) and rescales the rest by 1 / (1 - drop), then the two are averaged: the parents'
+    mean update in expectation. At drop 0, their mean update."""
+    def merge(update_a, update_b, g):
+        kept_a, kept_b = ((torch.rand(update_a.shape, generator=g) >= drop).to(update_a.device)
+                          for _ in range(2))
+        return (update_a * kept_a + update_b * kept_b) / (2 * (1 - drop))
+    return merge_updates(a, b, merge, seed, device)
+
+
+def merge_updates(a: dict, b: dict, merge, seed: int, device=None) -> dict:
+    """A crossover in update space: per layer, the parents' updates U_a = B_a A_a and U_b = B_b A_b
+    are merged (merge(U_a, U_b, generator), full rank in general), then refactored to the adapters'
+    rank r by the merge's truncated SVD U S V^T: A = V_r^T (orthonormal rows, as a fresh A's
+    scale), B = U_r S_r, the closest rank-r update. The LoRA scale alpha / r is the same for both
+    parents and the child, so it cancels. The SVDs run on `device` (a GPU's: a 7B layer's take
+    seconds there, minutes on a CPU); the child comes back where the parents are."""
     g = torch.Generator().manual_seed(seed)
     child = {}
     for layer in sorted({layer_of(n) for n in a}):
@@ -240,9 +277,7 @@ def crossover_dare(a: dict, b: dict, drop: float, seed: int, device=None) -> dic
         update_a = a[layer + ".lora_B"].to(on, torch.float64) @ A.to(on, torch.float64)
         update_b = (b[layer + ".lora_B"].to(on, torch.float64) @
                     b[layer + ".lora_A"].to(on, torch.float64))
-        kept = (torch.rand(update_a.shape, generator=g) >= drop).to(on)
-        merged = update_a + (update_b - update_a) * kept / (2 * (1 - drop))
-        u, s, vh = torch.linalg.svd(merged, full_matrices=False)
+        u, s, vh = torch.linalg.svd(merge(update_a, update_b, g), full_matrices=False)
         child[layer + ".lora_A"] = vh[:rank].to(A.device, A.dtype)
         child[layer + ".lora_B"] = (u[:, :rank] * s[:rank]).to(A.device, A.dtype)
     return child
@@ -298,23 +333,27 @@ def main(cfg: Config):
         evolved = {}
         if cfg.evolve_every and rnd and rnd % cfg.evolve_every == 0:
             evolved = evolve(cfg, run, rnd)
-        # 1. matchmaking: every rating's sigma grows (TrueSkill's dynamics); each teacher draws
-        # a student, favouring even matches, every student drawn once before any twice
-        for name in ("teacher_ratings", "student_ratings"):
-            state[name] = [grow_sigma(r) for r in state[name]]
-        pairs = match(state["teacher_ratings"], state["student_ratings"],
-                      random.Random(launch.seed_of(cfg.seed, rnd, "match")))
-        # 2. every teacher writes its problems (one engine call); the format filter and the
+        # 1. every teacher writes its problems (one engine call); the format filter and the
         # verifier say which are valid
         for policy in unique(run.teachers + run.students):
             with rloo.timed("sync"):
                 rloo.sync_weights(policy, run.llm)
-        proposals = propose(cfg, run, rnd)
+        proposals, formatted = propose(cfg, run, rnd)
+        # 2. matchmaking: every rating's sigma grows (TrueSkill's dynamics); each teacher draws
+        # a student, favouring even matches, every student drawn once before any twice, a new
+        # student first by a teacher with a valid problem (with --model: before agreement)
+        for name in ("teacher_ratings", "student_ratings"):
+            state[name] = [grow_sigma(r) for r in state[name]]
+        can_teach = [any(v is not None for _, v in p) for p in proposals]
+        pairs = match(state["teacher_ratings"], state["student_ratings"],
+                      random.Random(launch.seed_of(cfg.seed, rnd, "match")),
+                      newcomers=tuple(evolved["students"][:1]) if "students" in evolved else (),
+                      can_teach=can_teach)
         # 3. the matched students solve them (one engine call) and learn from the valid ones
         roles = trained_roles(cfg, rnd)
         solves = solve_and_learn(cfg, run, rnd, pairs, proposals, "students" in roles)
         # 4. each teacher learns from its student's failures on its valid problems
-        teacher_stats = teach(cfg, run, proposals, solves, "teachers" in roles)
+        teacher_stats = teach(cfg, run, proposals, formatted, solves, "teachers" in roles)
         # 5. ratings: a match's score is the student's solve rate (1 where nothing was valid),
         # its result a win, a loss or a draw (match_results)
         scores = [sum(s) / len(s) if s else 1.0 for s in valid_solves(solves)]
@@ -373,9 +412,10 @@ def unique(policies: list) -> list:
 
 def propose(cfg: Config, run, rnd: int) -> list[list]:
     """Step 2: per teacher, its `proposals` samples of the teacher prompt, each with its
-    (question, answer) if valid, else None. Valid: past the format filter (METHOD.md "Format
-    filter") and the verifier: on the built-in world its own checker (well-posed, the answer
-    right); with --model, checked after solving (valid_solves)."""
+    (question, answer) if valid, else None; and per teacher, whether each passed the format filter
+    (METHOD.md "Format filter"). Valid: past the format filter and the verifier: on the built-in
+    world its own checker (well-posed, the answer right); with --model, checked after solving
+    (valid_solves)."""
     prompt = data.teacher_prompt(run.tok)
     n = cfg.proposals
     with rloo.timed("teacher_generation"):
@@ -386,10 +426,12 @@ def propose(cfg: Config, run, rnd: int) -> list[list]:
         samples = [o[0] for o in outs]
         pairs = rloo.split_map(data.parse_teacher_batch, [s.text for s in samples],
                                dist.group.WORLD)
+    formatted = [p is not None for p in pairs]
     if run.checker is not None:
         pairs = [p if p is not None and run.checker(*p)["correct"] else None for p in pairs]
-    return [list(zip(samples[i * n:(i + 1) * n], pairs[i * n:(i + 1) * n]))
-            for i in range(len(run.teachers))]
+    return ([list(zip(samples[i * n:(i + 1) * n], pairs[i * n:(i + 1) * n]))
+             for i in range(len(run.teachers))],
+            [formatted[i * n:(i + 1) * n] for i in range(len(run.teachers))])
 
 
 def solve_and_learn(cfg: Config, run, rnd: int, pairs: list[int], proposals: list[list],
@@ -415,6 +457,8 @@ def solve_and_learn(cfg: Config, run, rnd: int, pairs: list[int], proposals: lis
                                  flat, dist.group.WORLD)
     table = torch.tensor(rewards, dtype=torch.float64).view(len(work), k)
     rates = (table == data.R_CORRECT).double().mean(1).tolist()
+    if cfg.format_penalties:
+        table = solver_reward(table)
     # with --model the verifier is agreement: a problem stays valid if a solution reaches its answer
     keep = [run.checker is not None or r > 0 for r in rates]
     adv = rloo.rloo_advantages(table)
@@ -435,16 +479,27 @@ def valid_solves(solves: list[list]) -> list[list[float]]:
     return [[r for r in rates if r is not None] for rates in solves]
 
 
-def proposer_reward(cfg: Config, rate: float | None) -> float:
-    """a teacher's reward for one proposal (METHOD.md "PopuLoRA", step 4): 0 if it failed a check;
-    for a valid problem its student solved at rate s, 1 - s, except that under --proposer_reward
-    azr (Absolute Zero's proposer reward) a problem the student never solves earns 0 too"""
-    if rate is None or (rate == 0.0 and cfg.proposer_reward == "azr"):
+def proposer_reward(cfg: Config, rate: float | None, formatted: bool = True) -> float:
+    """a teacher's reward for one proposal (METHOD.md "PopuLoRA", step 4). For a valid problem its
+    student solved at rate s, 1 - s, except that under --proposer_reward azr (Absolute Zero's
+    proposer reward) a problem the student never solves earns 0 too. For one that failed a check
+    (rate None), Absolute Zero's format penalties (--format_penalties): -0.5 if it was formatted,
+    -1 if not; without them 0."""
+    if rate is None:
+        return (-0.5 if formatted else -1.0) if cfg.format_penalties else 0.0
+    if rate == 0.0 and cfg.proposer_reward == "azr":
         return 0.0
     return 1.0 - rate
 
 
-def teach(cfg: Config, run, proposals: list[list], solves: list[list],
+def solver_reward(rewards: torch.Tensor) -> torch.Tensor:
+    """Absolute Zero's format-aware solver reward from the student reward (METHOD.md "Rewards"):
+    1 correct, -0.5 a boxed answer that is wrong, -1 no boxed answer"""
+    return torch.where(rewards == data.R_CORRECT, 1.0,
+                       torch.where(rewards == data.R_NONE, -1.0, -0.5)).to(rewards.dtype)
+
+
+def teach(cfg: Config, run, proposals: list[list], formatted: list[list], solves: list[list],
           learn: bool = True) -> list[dict | None]:
     """Step 4: if `learn`, one RLOO update per teacher over its proposals, rewarded by
     proposer_reward; its stats per teacher (None where none took place)."""
@@ -452,8 +507,8 @@ def teach(cfg: Config, run, proposals: list[list], solves: list[list],
     with rloo.timed("teacher_update"):
         for i, teacher in enumerate(run.teachers if learn else []):
             rates = iter(solves[i])
-            rewards = [proposer_reward(cfg, next(rates) if v is not None else None)
-                       for _, v in proposals[i]]
+            rewards = [proposer_reward(cfg, next(rates) if v is not None else None, f)
+                       for (_, v), f in zip(proposals[i], formatted[i])]
             adv = rloo.rloo_advantages(torch.tensor(rewards, dtype=torch.float64)).tolist()
             rows = rloo.my_share([(s, a) for (s, _), a in zip(proposals[i], adv)])
             stats.append(train(cfg, teacher, rows, cfg.teacher_lr))
@@ -486,9 +541,10 @@ def evolve(cfg: Config, run, rnd: int) -> dict:
         loser, best, second = chosen
         child = rloo.snapshot(members[best])
         seed = launch.seed_of(cfg.seed, rnd, name, "crossover")
-        if second is not None and cfg.crossover == "dare":
-            child = crossover_dare(child, rloo.snapshot(members[second]), cfg.dare_drop, seed,
-                                   members[best].device)
+        if second is not None and cfg.crossover in ("uniform", "dare"):
+            merge = crossover_dare if cfg.crossover == "dare" else crossover_uniform
+            child = merge(child, rloo.snapshot(members[second]), cfg.dare_drop, seed,
+                          members[best].device)
         elif second is not None:
             child = crossover_layers(child, rloo.snapshot(members[second]), seed)
         seed = launch.seed_of(cfg.seed, rnd, name, "mutation")

@@ -15,6 +15,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
+import data  # noqa: E402
 import populora as pl  # noqa: E402
 from soar_runs import ROOT, kill_all, rows, torchrun, wait_for  # noqa: E402
 
@@ -48,6 +49,30 @@ def test_trueskill_moves_by_surprise_and_shrinks_the_players_sigma():
     assert a[0] == pytest.approx(pl.MU0) and b[0] == pytest.approx(pl.MU0) and a[1] < pl.SIGMA0
     a, b = pl.trueskill_update([30.0, 3.0], [20.0, 3.0], draw=True)
     assert a[0] < 30.0 and b[0] > 20.0            # a draw pulls the two together
+
+
+# (winner, loser, draw, winner after, loser after) from the trueskill package 0.4.5 (not a
+# dependency: its numbers), TrueSkill(mu=25, sigma=25/3, beta=25/6, tau=0, draw_probability=0.1)
+# .rate_1vs1: tau 0 because populora applies the dynamics once a round (grow_sigma), not per match
+TRUESKILL_PACKAGE = [
+    ((25.0, 25 / 3), (25.0, 25 / 3), False, (29.3955759778, 7.1711412448),
+     (20.6044240222, 7.1711412448)),
+    ((30.0, 3.0), (20.0, 3.0), False, (30.2439589195, 2.9248706683), (19.7560410805, 2.9248706683)),
+    ((20.0, 3.0), (30.0, 3.0), False, (22.3810796697, 2.7741807778), (27.6189203303, 2.7741807778)),
+    ((25.0, 25 / 3), (25.0, 25 / 3), True, (25.0, 6.4572399608), (25.0, 6.4572399608)),
+    ((30.0, 3.0), (20.0, 3.0), True, (28.2988418559, 2.7329369244), (21.7011581441, 2.7329369244)),
+    ((28.0, 2.0), (22.0, 6.0), False, (28.2105686899, 1.9739237449), (20.1048817907, 5.2541765289)),
+    ((10.0, 1.0), (40.0, 1.0), False, (10.8674968292, 0.9867308630), (39.1325031708, 0.9867308630)),
+]
+
+
+@pytest.mark.parametrize("winner, loser, draw, want_winner, want_loser", TRUESKILL_PACKAGE)
+def test_trueskill_equals_the_package(winner, loser, draw, want_winner, want_loser):
+    """golden values: a win, an upset, draws, unequal sigmas (the package's normal cdf is an
+    approximation: within 1e-5)"""
+    got_winner, got_loser = pl.trueskill_update(list(winner), list(loser), draw=draw)
+    assert got_winner == pytest.approx(list(want_winner), abs=1e-5)
+    assert got_loser == pytest.approx(list(want_loser), abs=1e-5)
 
 
 def test_a_match_result_follows_the_solve_rate():
@@ -102,6 +127,24 @@ def test_every_student_plays_each_round_when_it_can(teachers, students):
         assert max(counts) - min(counts) <= 1 and sum(counts) == teachers
 
 
+@pytest.mark.parametrize("teachers, students", [(2, 5), (4, 4), (6, 3)])
+def test_a_newcomer_plays_its_first_round_against_a_teacher_with_a_problem(teachers, students):
+    """evolution's child is drawn first, by a teacher that can teach it; the rest as before (a
+    permutation for equal populations)"""
+    rng = random.Random(1)
+    for _ in range(200):
+        ratings = [[rng.gauss(25, 5), rng.uniform(0.5, pl.SIGMA0)] for _ in range(teachers)]
+        pool = [[rng.gauss(25, 5), 0.5] for _ in range(students)]
+        newcomer = rng.randrange(students)
+        pool[newcomer] = [pl.MU0, pl.SIGMA0]
+        can_teach = [rng.random() < 0.5 for _ in range(teachers)]
+        can_teach[rng.randrange(teachers)] = True
+        pairs = pl.match(ratings, pool, rng, newcomers=(newcomer,), can_teach=can_teach)
+        assert any(j == newcomer and can_teach[i] for i, j in enumerate(pairs))
+        counts = [pairs.count(j) for j in range(students)]
+        assert max(counts) - min(counts) <= 1 and sum(counts) == teachers
+
+
 def test_the_lowest_mu_is_replaced_by_the_two_best_of_the_others():
     assert pl.replacement([25.0, 27.0, 22.0, 26.0]) == (2, 1, 3)
     assert pl.replacement([25.0, 26.0, 24.0]) == (2, 1, 0)       # 3: three distinct members
@@ -112,13 +155,25 @@ def test_the_lowest_mu_is_replaced_by_the_two_best_of_the_others():
 
 
 def test_the_proposer_reward_of_a_problem_nobody_solves():
-    """azr (the default, Absolute Zero's): 1 - s for 0 < s, 0 for s = 0 and for a failed check;
-    failure: 1 - s for every valid problem"""
+    """azr (the default, Absolute Zero's): 1 - s for 0 < s, 0 for s = 0; failure: 1 - s for every
+    valid problem. A failed check: Absolute Zero's format penalties (the default), -0.5 for a
+    formatted proposal, -1 for a malformed one; without them 0."""
     azr = pl.parse_args([])
     failure = pl.parse_args(["--proposer_reward", "failure"])
-    assert [pl.proposer_reward(azr, s) for s in (None, 0.0, 0.25, 1.0)] == [0.0, 0.0, 0.75, 0.0]
-    assert [pl.proposer_reward(failure, s) for s in (None, 0.0, 0.25, 1.0)] == \
-        [0.0, 1.0, 0.75, 0.0]
+    plain = pl.parse_args(["--no-format_penalties"])
+    assert [pl.proposer_reward(azr, s) for s in (0.0, 0.25, 1.0)] == [0.0, 0.75, 0.0]
+    assert [pl.proposer_reward(failure, s) for s in (0.0, 0.25, 1.0)] == [1.0, 0.75, 0.0]
+    assert [pl.proposer_reward(azr, None, formatted) for formatted in (True, False)] == \
+        [-0.5, -1.0]
+    assert [pl.proposer_reward(plain, None, formatted) for formatted in (True, False)] == \
+        [0.0, 0.0]
+
+
+def test_the_solver_reward_has_absolute_zeros_format_penalties():
+    """correct 1, a wrong boxed answer -0.5 (contains the gold or not), no boxed answer -1"""
+    rewards = torch.tensor([[data.R_CORRECT, data.R_CONTAINS], [data.R_BOXED, data.R_NONE]],
+                           dtype=torch.float64)
+    assert pl.solver_reward(rewards).tolist() == [[1.0, -0.5], [-0.5, -1.0]]
 
 
 def test_the_single_agent_alternates_its_one_update():
@@ -181,7 +236,7 @@ def update(adapter, layer):
     return adapter[layer + ".lora_B"].double() @ adapter[layer + ".lora_A"].double()
 
 
-def test_dare_merges_the_parents_updates_and_refactors_them_to_the_rank():
+def test_uniform_crossover_merges_the_parents_updates_and_refactors_them_to_the_rank():
     """per layer, on B A: the child's update is the best rank-r approximation of the parents'
     updates merged entry by entry (dropped: a's; kept: a's + (b's - a's) / (2 (1 - p)), so the
     parents' mean update in expectation); equal parents give the parent's update; a fresh layer
@@ -189,7 +244,7 @@ def test_dare_merges_the_parents_updates_and_refactors_them_to_the_rank():
     a, b = adapter(0), adapter(1)
     a["model.layers.0.mlp.up_proj.lora_B"] = torch.zeros(16, 4)   # fresh in both parents
     b["model.layers.0.mlp.up_proj.lora_B"] = torch.zeros(16, 4)
-    m1, m3 = seeded_outputs(lambda seed: pl.crossover_dare(a, b, 0.5, seed), a)
+    m1, m3 = seeded_outputs(lambda seed: pl.crossover_uniform(a, b, 0.5, seed), a)
     layer = "model.layers.3.mlp.up_proj"
     assert not torch.equal(update(m1, layer), update(m3, layer))
     # the merge, rebuilt: each entry of the update is a's (dropped) or the mean's rescale (kept)
@@ -213,10 +268,34 @@ def test_dare_merges_the_parents_updates_and_refactors_them_to_the_rank():
     fresh = "model.layers.0.mlp.up_proj"
     assert torch.equal(m1[fresh + ".lora_B"], torch.zeros(16, 4))
     assert m1[fresh + ".lora_A"].abs().sum() > 0   # B's gradient is g A^T: a zero A would stick
-    same = pl.crossover_dare(a, a, 0.5, seed=7)
+    same = pl.crossover_uniform(a, a, 0.5, seed=7)
     assert all(torch.allclose(update(same, f"model.layers.{i}.mlp.up_proj"),
                               update(a, f"model.layers.{i}.mlp.up_proj"), atol=1e-5)
                for i in range(6))   # equal parents: the parent's update
+
+
+def test_dare_drops_and_rescales_each_parents_update_then_averages():
+    """DARE: each parent's update keeps each entry with probability 1 - p, rescaled by 1 / (1 - p),
+    by a mask of its own; the child's update is the closest rank-r one to their mean. At p = 0 the
+    parents' mean update; equal parents are masked apart, so the child is not the parent."""
+    a, b = adapter(0), adapter(1)
+    layer = "model.layers.3.mlp.up_proj"
+    ua, ub = update(a, layer), update(b, layer)
+    # the merge, rebuilt: two masks per layer, in layer order, from the seed's generator
+    g = torch.Generator().manual_seed(1)
+    masks = {f"model.layers.{i}.mlp.up_proj": [torch.rand(16, 8, generator=g) >= 0.5
+                                               for _ in range(2)] for i in range(6)}
+    kept_a, kept_b = masks[layer]
+    merged = (ua * kept_a + ub * kept_b) / (2 * 0.5)
+    u, s, vh = torch.linalg.svd(merged)
+    m1, _ = seeded_outputs(lambda seed: pl.crossover_dare(a, b, 0.5, seed), a)
+    assert torch.allclose(update(m1, layer), u[:, :4] @ torch.diag(s[:4]) @ vh[:4], atol=1e-5)
+    assert not torch.equal(kept_a, kept_b)   # a mask each, not one shared
+    u, s, vh = torch.linalg.svd((ua + ub) / 2)
+    mean = u[:, :4] @ torch.diag(s[:4]) @ vh[:4]
+    assert torch.allclose(update(pl.crossover_dare(a, b, 0.0, seed=3), layer), mean, atol=1e-5)
+    same = pl.crossover_dare(a, a, 0.5, seed=7)
+    assert not torch.allclose(update(same, layer), ua, atol=1e-3)   # unlike the uniform crossover
 
 
 def test_svd_mutation_rescales_singular_values_only():
@@ -273,11 +352,30 @@ def test_a_resumed_population_run_equals_an_uninterrupted_one(runs):
     assert [sorted(r["evolved"]) for r in whole] == [[], [], ["students", "teachers"], []]
 
 
-def updates_since_made(out, name):
+def updates_since_made(out, name, rounds=ROUNDS):
     """the optimizer steps a member of the run's last checkpoint took since it was made (its
     AdamW schedule restarts when evolution replaces it)"""
-    state = torch.load(out / "ckpt" / f"step-{ROUNDS}" / name / "adapter.pt", weights_only=True)
+    state = torch.load(out / "ckpt" / f"step-{rounds}" / name / "adapter.pt", weights_only=True)
     return state["sched"]["last_epoch"]
+
+
+def test_a_child_made_before_the_last_round_trains_in_it(tmp_path):
+    """fewer teachers than students, and rounds = 1 mod evolve_every: evolution comes before the
+    last round, whose draw leaves a student out; the children play it all the same, the student
+    against a teacher with a valid problem, and take their update. (A member that never met a
+    valid problem, here s0, has nothing to train on: that no draw can change.)"""
+    out = tmp_path / "late"
+    p = torchrun("populora.py", out, *FLAGS[:2], "--teachers", "2", "--students", "3",
+                 "--rounds", "3", *FLAGS[8:12], "--evolve_every", "2")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    metrics = rows(out / "metrics.jsonl")
+    last = metrics[-1]
+    assert [sorted(r["evolved"]) for r in metrics] == [[], [], ["students", "teachers"]]
+    child = last["evolved"]["students"][0]
+    assert len(set(last["pairs"])) == 2   # one student sat out, not the child
+    assert any(j == child and v > 0 for j, v in zip(last["pairs"], last["valid"]))
+    assert updates_since_made(out, f"s{child}", rounds=3) == 1
+    assert updates_since_made(out, f"t{last['evolved']['teachers'][0]}", rounds=3) == 1
 
 
 def test_the_evaluated_population_holds_no_untrained_child(runs):
