@@ -333,13 +333,13 @@ def main(cfg: Config):
         evolved = {}
         if cfg.evolve_every and rnd and rnd % cfg.evolve_every == 0:
             evolved = evolve(cfg, run, rnd)
-        # 1. every teacher writes its problems (one engine call); the format filter and the
-        # verifier say which are valid
+        # 2. every teacher writes its problems (one engine call); the format filter and the
+        # verifier say which are valid. Before the draw (1.), which it does not depend on
         for policy in unique(run.teachers + run.students):
             with rloo.timed("sync"):
                 rloo.sync_weights(policy, run.llm)
         proposals, formatted = propose(cfg, run, rnd)
-        # 2. matchmaking: every rating's sigma grows (TrueSkill's dynamics); each teacher draws
+        # 1. matchmaking: every rating's sigma grows (TrueSkill's dynamics); each teacher draws
         # a student, favouring even matches, every student drawn once before any twice, a new
         # student first by a teacher with a valid problem (with --model: before agreement)
         for name in ("teacher_ratings", "student_ratings"):
