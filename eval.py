@@ -545,9 +545,9 @@ def answer_form(path: str) -> str | None:
     """The p' form (data.answer_prompt) of the teacher in `path` if soar.py trained it in two turns
     (--teacher_turns 2): its soar.json says so wherever the folder is; a teacher/ written before
     soar.json did, its run's config. None for one turn and for any other model."""
+    path = os.path.normpath(path)
     tag = os.path.join(path, "soar.json")
     config = data.read_json(tag) if os.path.exists(tag) else {}
-    path = os.path.normpath(path)
     if "teacher_turns" not in config and os.path.basename(path) == "teacher":
         config = soar_config(os.path.dirname(path)) or {}
     return config["answer_prompt"] if config.get("teacher_turns", 1) == 2 else None

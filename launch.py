@@ -714,11 +714,10 @@ def memory(cfg, world_size: int, gpu_gib: float, config) -> dict[str, float]:
     over all ranks, a student over its group's; with LoRA the teacher's adapter and a wave's"""
     G = student_groups(cfg, world_size)
     return memory_per_rank(config, gpu_gib=gpu_gib, engine_share=cfg.gpu_memory_utilization,
-                                policy_ranks=[world_size, world_size // G],
-                                lora_rank=cfg.lora_rank,
-                                adapters=1 + -(-cfg.num_datasets * cfg.students // G),
-                                kl=cfg.kl_coef > 0, micro_batch_tokens=cfg.micro_batch_tokens,
-                                activation_checkpointing=cfg.activation_checkpointing)
+                           policy_ranks=[world_size, world_size // G], lora_rank=cfg.lora_rank,
+                           adapters=1 + -(-cfg.num_datasets * cfg.students // G),
+                           kl=cfg.kl_coef > 0, micro_batch_tokens=cfg.micro_batch_tokens,
+                           activation_checkpointing=cfg.activation_checkpointing)
 
 
 def memory_problem(cfg, world_size: int, gpu_gib: float, config,

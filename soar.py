@@ -385,6 +385,7 @@ def trained_accuracies(cfg: Config, run, step: Step):
     the others are snapshots in host RAM, kept only if a promotion is possible this step
     (can_promote)."""
     keep = can_promote(cfg, run.state["history"])
+    last = last_trained(cfg, run)
     acc = {}
     snaps = {}
     mine = my_students(cfg, run)
@@ -394,13 +395,13 @@ def trained_accuracies(cfg: Config, run, step: Step):
         accs = accuracies(cfg, run, step.q_r, policies)
         for (k, j), policy, a in zip(wave, policies, accs):
             acc[k, j] = (a, step.acc0)
-            if keep and (k, j) != last_trained(cfg, run):
+            if keep and (k, j) != last:
                 snaps[k, j] = rloo.snapshot(policy)
     parts = rloo.all_gather((acc, len(snaps)))
     acc = {kj: v for part, _ in parts for kj, v in part.items()}
-    tables = [[[acc[k, j][i] for j in range(cfg.students)] for k in range(cfg.num_datasets)]
-              for i in (0, 1)]
-    return *tables, snaps, max(n for _, n in parts)
+    acc_table = [[acc[k, j][0] for j in range(cfg.students)] for k in range(cfg.num_datasets)]
+    acc0_table = [[acc[k, j][1] for j in range(cfg.students)] for k in range(cfg.num_datasets)]
+    return acc_table, acc0_table, snaps, max(n for _, n in parts)
 
 
 def students(cfg: Config) -> list[tuple[int, int]]:

@@ -447,12 +447,9 @@ def grader() -> list:
     code = []
     for f in funcs:
         tree = ast.parse(textwrap.dedent(inspect.getsource(f)))
-        for node in ast.walk(tree):   # drop docstrings: the first statement, a string
-            body = getattr(node, "body", None)
-            first = body[0] if isinstance(body, list) and body else None
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and \
-                    isinstance(first.value.value, str):
-                node.body = body[1:] or [ast.Pass()]
+        for node in ast.walk(tree):   # drop docstrings (ast.dump already drops comments)
+            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) is not None:
+                node.body = node.body[1:] or [ast.Pass()]
         code.append(ast.dump(tree))
     constants = [data.R_CORRECT, data.R_CONTAINS, data.R_BOXED, data.R_NONE, data.MV_TIMEOUT_S,
                  data.DEADLINE_S, data.REWARD_READS_BOXED_ONLY]
