@@ -17,6 +17,7 @@ A run folder <runs>/<method>/seed<s>/: metrics.jsonl (per step), evals.jsonl (te
 --eval_every steps), ckpt/ (reruns resume), result.json (the row's numbers; reruns skip the run).
 """
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -29,12 +30,14 @@ import sys
 import time
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 import data
 import launch
+import lora
 import rloo
 import world
 
@@ -91,7 +94,13 @@ class Config:
         help="examples of the hard train split (2 of them its own kept questions, once it has) in "
              "each question-writing prompt; 0: SOAR's teacher prompt and format filter instead, "
              "the only prompt the built-in world's model follows")
-    serl_prompts: int = launch.flag(4, world=16, help="question-writing prompts per step", least=1)
+    serl_prompts: int = launch.flag(4, world=16, help="question-writing prompts per round",
+                                    least=1)
+    serl_rounds: int = launch.flag(64, world=4, least=1,
+        help="question-writing rounds per step, at most: a step writes until --serl_questions "
+             "pass its filters (SeRL: no cap; a model that writes nothing keeps would loop)")
+    serl_max_tokens: int = launch.flag(1024, world=WORLD_MAX_TOKENS,
+        help="new tokens per question-writing sample", least=1)
     serl_temperature: float = launch.flag(0.8, "temperature of the question-writing samples")
     serl_similarity: float = launch.flag(0.7,
         "diversity: a written question this similar (n-gram cosine) to a hard train or kept one "
@@ -107,6 +116,11 @@ class Config:
         least=0)
     serl_lr: float = launch.flag(5e-7, world=3e-4,
         help="the SeRL row's student lr (world: chosen on the train half, docs/results.md)")
+    serl_kl: float = launch.flag(1e-4,
+        "KL to the base model, as a per-token penalty in SeRL's reward (not in its loss)")
+    serl_train_batch: int = launch.flag(16, least=1,
+        help="rollouts per optimizer step: a step's rollouts make several PPO updates")
+    serl_clip: float = launch.flag(0.2, "PPO's clip of SeRL's updates: ratios outside 1 +- this")
     student_steps: int = launch.flag(1500, world=24,
         help="at most; the early-stopping rule usually ends a run before", least=1)
     switch_step: int = launch.flag(64, world=6,
@@ -437,7 +451,7 @@ def eval_passk(llm, test: list[dict], cfg: Config, seed: int, key) -> dict:
 def members(path: str) -> list[str]:
     """the models in `path`: itself, or for a population's folder (populora.py's students/) each
     member's adapter folder"""
-    if os.path.exists(os.path.join(path, "config.json")) or rloo.adapter_rank(path):
+    if os.path.exists(os.path.join(path, "config.json")) or lora.adapter_rank(path):
         return [path]
     return [os.path.join(path, name) for name in sorted(os.listdir(path))
             if "." not in name]   # (not the versions, <name>.v<N>, the names link to)
@@ -448,7 +462,7 @@ def check_adapter_bases(paths: list[str], cfg: Config) -> None:
     must have been trained on --model: the engine serves adapters on --model's weights, and on other
     weights one measures something else, silently."""
     for path in paths:
-        base = rloo.adapter_base(path)
+        base = lora.adapter_base(path)
         if base and os.path.realpath(base) != os.path.realpath(cfg.model):
             raise launch.UsageError(f"{path} is an adapter of {base}, not of --model {cfg.model}")
 
@@ -457,8 +471,8 @@ def serve(path: str, llm) -> None:
     """The model in `path` into the engines: a PEFT adapter folder (a LoRA run's teacher/ or
     student/) as an adapter on --model's weights (put back first if a full folder replaced them),
     else an HF folder's full weights, read by the engine's own loader (no trainer is built)."""
-    if rloo.adapter_rank(path):
-        rloo.serve_adapter(llm, path)
+    if lora.adapter_rank(path):
+        lora.serve_adapter(llm, path)
     else:
         rloo.serve_hf(llm, path)
 
@@ -499,37 +513,129 @@ def writing_prompts(cfg: Config, tok, seed_set: list[dict], kept: list[str],
 
 def self_instruct(cfg: Config, seed: int, step: int, llm, tok, seed_set: list[dict],
                   metrics: list[dict]) -> dict:
-    """SeRL's data of one step (METHOD.md "SeRL"), written by the weights in the engine: the
-    questions of --serl_prompts prompts, those that pass the quality filter and the diversity filter
-    (against the seed set, the questions kept in earlier steps and those accepted before them), and
-    of those the ones whose majority vote over --serl_samples answers is in the difficulty bounds,
-    labelled with its answer. Returns the metrics row's `generated` (question, answer, share; at
-    most --serl_questions) and `serl` (how many passed each filter)."""
-    kept = [q["question"] for m in metrics for q in m["generated"]]
-    prompts = writing_prompts(cfg, tok, seed_set, kept, random.Random(f"{seed}/serl/{step}"))
-    outs = rloo.generate(llm, prompts, temperature=cfg.serl_temperature,
-                         max_tokens=cfg.teacher_max_tokens, seed=launch.seed_of(seed, "serl", step),
-                         group=dist.group.WORLD)
+    """SeRL's data of one step (METHOD.md "SeRL"), written by the weights in the engine, in rounds
+    until --serl_questions are kept (at most --serl_rounds rounds): each round writes the questions
+    of --serl_prompts prompts, keeps those that pass the quality filter and the diversity filter
+    (against the seed set and the questions this step accepted before them), and of those the ones
+    whose majority vote over --serl_samples answers is in the difficulty bounds, labelled with its
+    answer. Returns the metrics row's `generated` (question, answer, share; at most
+    --serl_questions) and `serl` (how many passed each filter, and the rounds)."""
+    kept = [q["question"] for m in metrics for q in m["generated"]]   # few-shot examples
+    seen = [p["question"] for p in seed_set]
+    accepted = []   # the step's questions past the diversity filter
+    generated = []
+    counts = dict(written=0, quality=0, diverse=0, difficulty=0, rounds=0)
+    for r in range(cfg.serl_rounds):
+        written = write_questions(cfg, seed, step, r, llm, tok, seed_set, kept)
+        good = [q for q in dict.fromkeys(written) if data.serl_quality(q)]
+        diverse = []   # similarity = 1 - novelty
+        for q, new in zip(good, data.novelty(good, seen)):
+            if max(1 - new, 1 - data.novelty([q], accepted)[0]) <= cfg.serl_similarity:
+                accepted.append(q)
+                diverse.append(q)
+        outs = rloo.generate(llm, [data.student_prompt(q) for q in diverse], n=cfg.serl_samples,
+                             temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
+                             seed=launch.seed_of(seed, "serl-vote", step, r),
+                             group=dist.group.WORLD)
+        votes = rloo.split_map(data.majority_labels, [[s.text for s in o] for o in outs],
+                               dist.group.WORLD)
+        labelled = serl_kept(diverse, votes, cfg)
+        generated += labelled
+        for key, passed in (("written", written), ("quality", good), ("diverse", diverse),
+                            ("difficulty", labelled)):
+            counts[key] += len(passed)
+        counts["rounds"] += 1
+        if len(generated) >= cfg.serl_questions:
+            break
+    return {"generated": generated[:cfg.serl_questions], "serl": counts}
+
+
+def write_questions(cfg: Config, seed: int, step: int, r: int, llm, tok, seed_set: list[dict],
+                    kept: list[str]) -> list[str]:
+    """round r of a step's question writing (SeRL's): the questions of --serl_prompts samples of
+    its prompts (writing_prompts), read as numbered items, or with --serl_shots 0 by the format
+    filter (its answer unused: the vote labels the question)"""
+    rng = random.Random(f"{seed}/serl/{step}/{r}")
+    outs = rloo.generate(llm, writing_prompts(cfg, tok, seed_set, kept, rng),
+                         temperature=cfg.serl_temperature, max_tokens=cfg.serl_max_tokens,
+                         seed=launch.seed_of(seed, "serl", step, r), group=dist.group.WORLD)
     texts = [o[0].text for o in outs]
     if cfg.serl_shots:
-        written = [q for t in texts for q in data.numbered_questions(t, cfg.serl_shots + 1)]
-    else:   # the format filter's question; its answer is not used (the vote labels it)
-        written = [p[0] for p in rloo.split_map(data.parse_teacher_batch, texts, dist.group.WORLD)
-                   if p is not None]
-    good = [q for q in dict.fromkeys(written) if data.serl_quality(q)]
-    diverse = []   # similarity = 1 - novelty
-    for q, new in zip(good, data.novelty(good, [p["question"] for p in seed_set] + kept)):
-        if max(1 - new, 1 - data.novelty([q], diverse)[0]) <= cfg.serl_similarity:
-            diverse.append(q)
-    outs = rloo.generate(llm, [data.student_prompt(q) for q in diverse], n=cfg.serl_samples,
-                         temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
-                         seed=launch.seed_of(seed, "serl-vote", step), group=dist.group.WORLD)
-    votes = rloo.split_map(data.majority_labels, [[s.text for s in o] for o in outs],
-                           dist.group.WORLD)
-    generated = serl_kept(diverse, votes, cfg)
-    return {"generated": generated[:cfg.serl_questions],
-            "serl": dict(written=len(written), quality=len(good), diverse=len(diverse),
-                         difficulty=len(generated))}
+        return [q for t in texts for q in data.numbered_questions(t, cfg.serl_shots + 1)]
+    return [p[0] for p in rloo.split_map(data.parse_teacher_batch, texts, dist.group.WORLD)
+            if p is not None]
+
+
+def serl_update(cfg: Config, policy, llm, batch: list[tuple[str, str]], seed: int) -> dict:
+    """SeRL's RL step on one rollout batch (METHOD.md "SeRL"), as its OpenRLHF template runs it:
+    --student_samples completions per question (the row's: --serl_samples) and their rewards; RLOO's
+    leave-one-out baseline on them; the KL to the base model as a per-token penalty in the reward,
+    so a token's return is the rollout's advantage minus serl_kl times the KL (log p - log p_ref) of
+    it and every later token; the returns whitened over the batch's tokens; then one PPO update
+    (rloo.ppo_loss, clip --serl_clip) per --serl_train_batch rollouts, in a shuffled order, each
+    against the log-probs the policy gave them before the first. Returns rl_step's stats (the
+    updates' means) and `updates`."""
+    group = dist.group.WORLD
+    k = cfg.student_samples
+    with rloo.timed("sync"):
+        rloo.sync_weights(policy, llm)
+    flat, rewards = rloo.rollouts(llm, batch, prompt=data.student_prompt, reward=data.grade,
+                                  samples=k, max_tokens=cfg.student_max_tokens, seed=seed,
+                                  temperature=cfg.temperature, group=group)
+    table = torch.tensor(rewards, dtype=torch.float64).view(len(batch), k)
+    shaped = rloo.rloo_advantages(table).flatten().tolist()
+    order = list(range(len(flat)))
+    random.Random(seed).shuffle(order)
+    updates = [rloo.my_share(order[i:i + cfg.serl_train_batch], group)
+               for i in range(0, len(order), cfg.serl_train_batch)]
+    mine = [i for rows in updates for i in rows]
+    prompts = [flat[i][0].prompt_token_ids for i in mine]
+    completions = [flat[i][0].token_ids for i in mine]
+    opts = dict(temperature=cfg.temperature, dev=policy.device, shared=policy.shared_prompts,
+                micro_batch_tokens=cfg.micro_batch_tokens, group=policy.mesh.get_group())
+    old = rloo.sequence_logprobs(policy.model, prompts, completions, **opts)
+    ref = rloo.sequence_logprobs(policy.ref, prompts, completions, **opts)
+    returns = [kl_returns(shaped[i], o, r, cfg.serl_kl) for i, o, r in zip(mine, old, ref)]
+    adv = dict(zip(mine, whiten(returns, group, policy.device)))
+    old = dict(zip(mine, old))
+    loss = functools.partial(rloo.ppo_loss, clip=cfg.serl_clip)
+    stats = [rloo.train_step(policy, [flat[i][0].prompt_token_ids for i in rows],
+                             [flat[i][0].token_ids for i in rows], [adv[i] for i in rows],
+                             loss=loss, temperature=cfg.temperature,
+                             micro_batch_tokens=cfg.micro_batch_tokens,
+                             old_logprobs=[old[i] for i in rows])
+             for rows in updates]
+    mean = {key: statistics.fmean(s[key] for s in stats)
+            for key in ("loss", "pg_loss", "kl", "grad_norm", "lr", "tokens")}
+    return {**mean, "skipped": any(s["skipped"] for s in stats), "updates": len(updates),
+            "reward": statistics.fmean(rewards), "rewards": rewards,
+            "nontrivial": (table.std(1) > 0).tolist()}
+
+
+def kl_returns(advantage: float, logp: list[float], ref_logp: list[float],
+               kl_coef: float) -> list[float]:
+    """SeRL's (OpenRLHF's) per-token return of one rollout: its advantage, less kl_coef times the
+    KL estimate log p - log p_ref of this token and every later one (METHOD.md "SeRL")"""
+    penalty = [-kl_coef * (p - r) for p, r in zip(logp, ref_logp)]
+    returns = []
+    total = advantage
+    for x in reversed(penalty):
+        total += x
+        returns.append(total)
+    return returns[::-1]
+
+
+def whiten(rows: list[list[float]], group, dev) -> list[list[float]]:
+    """the values of this rank's rows less the mean of every rank's, over their standard
+    deviation"""
+    flat = [x for row in rows for x in row]
+    moments = torch.tensor([len(flat), sum(flat), sum(x * x for x in flat)], dtype=torch.float64,
+                           device=dev)
+    dist.all_reduce(moments, group=group)
+    n, total, squares = moments.tolist()
+    mean = total / max(n, 1.0)
+    std = math.sqrt(max(squares / max(n, 1.0) - mean * mean, 0.0))
+    return [[(x - mean) / (std + 1e-8) for x in row] for row in rows]
 
 
 def serl_kept(questions: list[str], votes: list[tuple[str | None, float]],
@@ -576,14 +682,26 @@ def inference_run(cfg: Config, seed: int, method: str, path: str, llm, test,
 
 
 def fresh_student(cfg: Config, row: Row, mesh, out: str, config: dict):
-    """(policy, step): the base model at step 0, or where out/ckpt left it (and its rows files)."""
+    """(policy, step): the base model at step 0, or where out/ckpt left it (and its rows files).
+    SeRL's takes several updates a step (serl_update): its schedule counts them, up to the most a
+    step can take, and it keeps its KL reference for the reward's penalty, none in its loss."""
     warmup = 0 if cfg.mode == "curriculum" else cfg.student_warmup
-    policy = rloo.load_policy(cfg.model, mesh, lr=cfg.student_lr, warmup_steps=warmup,
-                              total_steps=cfg.student_steps, kl_coef=cfg.kl_coef if row.kl else 0.0,
-                              activation_checkpointing=cfg.activation_checkpointing,
-                              prompts=cfg.prompt_pass, lora_rank=cfg.lora_rank,
-                              lora_alpha=cfg.lora_alpha,
-                              seed=launch.seed_of(config["seed"], "adapter"))
+    updates = 1   # per step
+    kl_coef = cfg.kl_coef if row.kl else 0.0
+    if row.self_instruct:
+        rollouts = (cfg.student_questions + cfg.serl_questions) * cfg.student_samples
+        updates = -(-rollouts // cfg.serl_train_batch)
+        kl_coef = cfg.serl_kl
+    opts = dict(lr=cfg.student_lr, warmup_steps=warmup * updates,
+                total_steps=cfg.student_steps * updates, kl_coef=kl_coef, prompts=cfg.prompt_pass,
+                activation_checkpointing=cfg.activation_checkpointing)
+    if cfg.lora_rank:
+        policy = lora.load_policy(cfg.model, mesh, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                                  seed=launch.seed_of(config["seed"], "adapter"), **opts)
+    else:
+        policy = rloo.load_policy(cfg.model, mesh, **opts)
+    if row.self_instruct:
+        policy.kl_coef = 0.0   # its reference serves serl_update's penalty, not the loss
     ckpt, state = launch.resume(out, config, MAY_CHANGE)
     if ckpt:
         rloo.load_state(policy, os.path.join(ckpt, "policy"))
@@ -614,12 +732,15 @@ def student_step(cfg: Config, row: Row, seed: int, step: int, policy, llm, tok, 
         with rloo.timed("self_instruct"):   # its tokens: tokens/generated/self_instruct
             written = self_instruct(cfg, seed, step, llm, tok, real, metrics)
         batch += [(q["question"], q["answer"]) for q in written["generated"]]
-    stats = rloo.rl_step(policy, llm, batch, prompt=data.student_prompt, reward=data.grade,
-                         samples=cfg.student_samples, temperature=getattr(cfg, row.temperature),
-                         max_tokens=cfg.student_max_tokens, group=dist.group.WORLD,
-                         seed=launch.seed_of(seed, "student", step),
-                         micro_batch_tokens=cfg.micro_batch_tokens, advantages=row.advantages,
-                         loss=rloo.rloo_loss, train_temperature=row.train_temperature)
+        stats = serl_update(cfg, policy, llm, batch, launch.seed_of(seed, "student", step))
+    else:
+        stats = rloo.rl_step(policy, llm, batch, prompt=data.student_prompt, reward=data.grade,
+                             samples=cfg.student_samples,
+                             temperature=getattr(cfg, row.temperature),
+                             max_tokens=cfg.student_max_tokens, group=dist.group.WORLD,
+                             seed=launch.seed_of(seed, "student", step),
+                             micro_batch_tokens=cfg.micro_batch_tokens, advantages=row.advantages,
+                             loss=rloo.rloo_loss, train_temperature=row.train_temperature)
     sample_rewards = stats.pop("rewards")
     stats["accuracy"] = statistics.fmean(r == data.R_CORRECT for r in sample_rewards)
     return {"step": step, "source": source, "questions": idx, "portfolio": portfolio, **stats,
@@ -706,21 +827,23 @@ def setup(cfg: Config, question_sets: list[list[dict]], teacher: bool = False,
     mesh = init_device_mesh(device.type, (world_size,))
     tok = launch.tokenizer(cfg.model)
     answer_prompts = [data.answer_prompt(tok, f) for f in map(answer_form, served) if f]
+    writes = max(cfg.teacher_max_tokens if teacher else 0,
+                 cfg.serl_max_tokens if fewshot_from else 0)   # a written question, at most
     seq_len = data.engine_len(tok, [q["question"] for qs in question_sets for q in qs],
-                              cfg.student_max_tokens, cfg.teacher_max_tokens if teacher else 0,
+                              cfg.student_max_tokens, writes,
                               max(answer_prompts, key=len, default=[]))
     if fewshot_from and cfg.serl_shots:   # (its own written questions: a sample each, at most)
         longest = sorted((q["question"] for q in fewshot_from),
                          key=lambda q: len(tok(q).input_ids))[-cfg.serl_shots:]
         seq_len = max(seq_len, len(data.fewshot_prompt(tok, longest)) + 16
-                      + (SERL_OWN_SHOTS + 1) * cfg.teacher_max_tokens)
+                      + (SERL_OWN_SHOTS + 1) * cfg.serl_max_tokens)
     if cfg.micro_batch_tokens < seq_len:
         raise launch.UsageError(f"--micro_batch_tokens {cfg.micro_batch_tokens} is less "
                                 f"than one sequence (prompt + completion: up to {seq_len} tokens)")
     llm = rloo.build_engine(cfg.model, seed=seeds(cfg)[0], max_model_len=seq_len,
                             gpu_memory_utilization=engine_share or cfg.gpu_memory_utilization,
-                            verbose=cfg.verbose,
-                            lora_rank=max([cfg.lora_rank] + [rloo.adapter_rank(p) for p in served]))
+                            verbose=cfg.verbose, **lora.engine_args(
+                                max([cfg.lora_rank] + [lora.adapter_rank(p) for p in served]), 2))
     return mesh, tok, llm
 
 

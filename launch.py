@@ -29,6 +29,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 import data
+import lora
 import rloo
 
 # -----------------------------------------------------------------------------
@@ -682,10 +683,11 @@ def memory_per_rank(config, *, gpu_gib: float, engine_share: float, policy_ranks
     micro-batch's activations (activation_gib) and a margin for the CUDA context (CONTEXT_GIB).
     The one place this is computed: soar.py's check before anything loads, bench_rloo.py
     --memory_table and docs/scale.md."""
-    n, a = rloo.parameter_counts(config, lora_rank)
+    n = rloo.parameter_count(config)
     est = {"engine": engine_share * gpu_gib}
     if lora_rank:
         est["base"] = 2 * n / GIB
+        a = lora.adapter_parameters(config, lora_rank)
         est["adapters"] = (adapters * HELD_BYTES + GRAD_BYTES) * a / GIB
     else:
         est["policies"] = sum(HELD_BYTES * n / r for r in policy_ranks) / GIB
@@ -728,7 +730,7 @@ def memory_problem(cfg, world_size: int, gpu_gib: float, config,
     if need["total"] <= gpu_gib:
         return None
     G = student_groups(cfg, world_size)
-    weights = 2 * rloo.parameter_counts(config)[0] / GIB   # bf16, in the engine
+    weights = 2 * rloo.parameter_count(config) / GIB   # bf16, in the engine
     others = need["total"] - need["engine"]
     share = int((gpu_gib - others) / gpu_gib * 20) / 20   # down to a multiple of 0.05
     candidates = {
@@ -816,32 +818,43 @@ def load_models(cfg, device, world_size: int, tok, seq_len: int, hard: list, ckp
     seqs = step_sequences(cfg, world_size, G, wave)
     llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len, verbose=cfg.verbose,
                             gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            lora_rank=cfg.lora_rank, max_loras=wave + 1,   # + the teacher
+                            **lora.engine_args(cfg.lora_rank, wave + 1),   # + the teacher
                             **rloo.step_engine_args(seqs, seq_len - cfg.student_max_tokens))
     if device.type == "cuda":   # (on CPU, a fixed rloo.CPU_KVCACHE_GIB)
         rloo.print0(kv_line(rloo.kv_capacity(llm), seqs, seq_len))
-    lora = dict(lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, prompts=cfg.prompt_pass,
-                activation_checkpointing=cfg.activation_checkpointing, kl_coef=cfg.kl_coef)
-    teacher = rloo.load_policy(cfg.model, teacher_mesh, lr=cfg.teacher_lr,
-                               total_steps=cfg.outer_steps, warmup_steps=cfg.teacher_warmup,
-                               seed=seed_of(cfg.seed, "adapter", "teacher"), **lora)
+    teacher = load_policy(cfg, teacher_mesh, lr=cfg.teacher_lr, total_steps=cfg.outer_steps,
+                          warmup_steps=cfg.teacher_warmup,
+                          seed=seed_of(cfg.seed, "adapter", "teacher"))
     # with LoRA, the student's adapter goes on the teacher's base: one base per rank
-    student = rloo.load_policy(cfg.model, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0,
-                               total_steps=1, base=teacher.model if cfg.lora_rank else None,
-                               seed=seed_of(cfg.seed, "adapter", "student"), **lora)
+    student = load_policy(cfg, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0, total_steps=1,
+                          base=teacher, seed=seed_of(cfg.seed, "adapter", "student"))
     # the wave's other adapters, on the same base (each restored to theta before it trains)
-    others = [rloo.load_policy(cfg.model, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0,
-                               total_steps=1, base=teacher.model, seed=0, **lora)
+    others = [load_policy(cfg, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0, total_steps=1,
+                          base=teacher, seed=0)
               for _ in range(wave - 1)]
     if ckpt:
         rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
         rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta
-    n_params = sum(p.numel() for p in teacher.model.parameters())
+    if cfg.lora_rank:
+        n_params = lora.base_parameters(teacher)
+    else:
+        n_params = sum(p.numel() for p in teacher.model.parameters())
     n_trained = sum(p.numel() for p in rloo.trainable(teacher).values())
     announce(cfg, world_size, G, n_params, n_trained, teacher.save_dtype.itemsize, bool(ckpt),
              state["step"])
     return SoarRun(mesh, tok, llm, teacher, student, [student] + others, rloo.snapshot(student),
                    hard, state, n_params, wb)
+
+
+def load_policy(cfg, mesh, *, seed: int, base=None, **schedule) -> rloo.Policy:
+    """A policy of cfg.model (rloo.load_policy), or with --lora_rank an adapter (drawn from `seed`)
+    on the frozen base of the LoRA policy `base` (one base per rank; None: one loaded here)"""
+    opts = dict(prompts=cfg.prompt_pass, activation_checkpointing=cfg.activation_checkpointing,
+                kl_coef=cfg.kl_coef, **schedule)
+    if not cfg.lora_rank:
+        return rloo.load_policy(cfg.model, mesh, **opts)
+    return lora.load_policy(cfg.model, mesh, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                            base=lora.base_of(base) if base else None, seed=seed, **opts)
 
 
 def step_sequences(cfg, world_size: int, G: int, wave: int) -> int:

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 import data
 import launch
+import lora
 import rloo
 import world
 
@@ -214,7 +215,7 @@ def rate_match(teacher: list, student: list, result: float) -> tuple[list, list]
 
 
 # ---------------------------------------------------------------------------------------------
-# evolution: pure functions on adapter tensors ({name: tensor}, rloo.Policy.adapter's names)
+# evolution: pure functions on adapter tensors ({name: tensor}, lora.AdapterModel's names)
 
 def layer_of(name: str) -> str:
     return name.rsplit(".", 1)[0]   # "model.layers.0.self_attn.q_proj.lora_A" -> its layer
@@ -422,7 +423,7 @@ def propose(cfg: Config, run, rnd: int) -> list[list]:
         outs = rloo.generate(run.llm, [prompt] * (n * len(run.teachers)), n=1,
                              temperature=cfg.temperature, max_tokens=cfg.teacher_max_tokens,
                              seed=launch.seed_of(cfg.seed, rnd, "teachers"), group=dist.group.WORLD,
-                             adapters=[t.served for t in run.teachers for _ in range(n)])
+                             adapters=[t.model.served for t in run.teachers for _ in range(n)])
         samples = [o[0] for o in outs]
         pairs = rloo.split_map(data.parse_teacher_batch, [s.text for s in samples],
                                dist.group.WORLD)
@@ -450,7 +451,7 @@ def solve_and_learn(cfg: Config, run, rnd: int, pairs: list[int], proposals: lis
         outs = rloo.generate(run.llm, [data.student_prompt(q) for _, q, _ in work], n=k,
                              temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
                              seed=launch.seed_of(cfg.seed, rnd, "students"), group=dist.group.WORLD,
-                             adapters=[p.served for p in policies] if work else None)
+                             adapters=[p.model.served for p in policies] if work else None)
         flat = [(s, a) for o, (_, _, a) in zip(outs, work) for s in o]
         rewards = rloo.split_map(lambda share: data.grade([s.text for s, _ in share],
                                                           [a for _, a in share]),
@@ -596,18 +597,19 @@ def setup(cfg: Config, checker) -> Run | None:
     seq_len = data.engine_len(tok, [], cfg.student_max_tokens, cfg.teacher_max_tokens)
     llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len, verbose=cfg.verbose,
                             gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            lora_rank=cfg.lora_rank, max_loras=cfg.teachers + cfg.students)
+                            **lora.engine_args(cfg.lora_rank, cfg.teachers + cfg.students))
     mesh = init_device_mesh(device.type, (world_size,))
-    opts = dict(warmup_steps=0, total_steps=None, lora_rank=cfg.lora_rank,
-                lora_alpha=cfg.lora_alpha, kl_coef=cfg.kl_coef, prompts=cfg.prompt_pass,
+    opts = dict(warmup_steps=0, total_steps=None, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                kl_coef=cfg.kl_coef, prompts=cfg.prompt_pass,
                 activation_checkpointing=cfg.activation_checkpointing)
-    first = rloo.load_policy(cfg.model, mesh, lr=cfg.teacher_lr, **opts,
+    first = lora.load_policy(cfg.model, mesh, lr=cfg.teacher_lr, **opts,
                              seed=launch.seed_of(cfg.seed, "adapter", "teacher", 0))
-    teachers = [first] + [rloo.load_policy(cfg.model, mesh, lr=cfg.teacher_lr, base=first.model,
+    base = lora.base_of(first)   # every adapter on one base
+    teachers = [first] + [lora.load_policy(cfg.model, mesh, lr=cfg.teacher_lr, base=base,
                                            seed=launch.seed_of(cfg.seed, "adapter", "teacher", i),
                                            **opts) for i in range(1, cfg.teachers)]
     students = teachers if cfg.single_agent else [
-        rloo.load_policy(cfg.model, mesh, lr=cfg.student_lr, base=first.model,
+        lora.load_policy(cfg.model, mesh, lr=cfg.student_lr, base=base,
                          seed=launch.seed_of(cfg.seed, "adapter", "student", j), **opts)
         for j in range(cfg.students)]
     if ckpt:

@@ -30,6 +30,8 @@ and whose vocabulary head is one plain linear layer (Llama, Qwen2, Mistral, ...)
 Layout (METHOD.md "Scale layout"): torchrun, one rank per GPU (or CPU process), TP = 1 engines
 built with distributed_executor_backend="external_launcher", so each engine lives inside its
 rank's process and serves whatever weights are synced into it next (teacher or student).
+LoRA adapters are an extra in lora.py; this file knows of them only a Policy's `backend` (what
+syncs, saves and loads a policy that is not a whole HF model) and the engine's adapter fields.
 """
 import glob
 import json
@@ -53,15 +55,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
-# safetensors comes with transformers: the adapter files PEFT and vLLM read
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import safe_open   # (comes with transformers) serve_hf reads HF folders
 from transformers import (AutoConfig, AutoModelForCausalLM, get_constant_schedule_with_warmup,
                           get_cosine_schedule_with_warmup)
 from transformers.cache_utils import Cache, DynamicLayer
@@ -75,7 +74,6 @@ from transformers.utils import logging as hf_logging
 COLLECTIVE_TIMEOUT_MIN = 180.0
 # engine (vLLM) settings
 CPU_KVCACHE_GIB = "1"       # on CPU the KV cache size comes from VLLM_CPU_KVCACHE_SPACE (GiB)
-SHM = "/dev/shm"            # where adapters are written for the engine, if room (adapter_root)
 CPU_MEM_UTIL = 0.2          # CPU gpu_memory_utilization (of RAM; the default, 0.92, fails to start)
 # GPU: vLLM's default prefill batch on large GPUs; the activations it profiles for it come off the
 # KV cache, so step_engine_args asks for no more than a student step's prompts (at least MIN)
@@ -93,9 +91,6 @@ LOGIT_CHUNK_TOKENS = 2048   # token_logprobs runs the vocabulary head on this ma
 # at the paper's shape (prompts 128 of 1152 tokens) they cost 23% (docs/scale.md)
 SHARED_PROMPTS_BY_DEVICE = {"cpu": True, "cuda": False}
 MAX_NONFINITE = 3           # updates skipped in a row (non-finite loss or gradient) that stop a run
-# LoRA (METHOD.md "LoRA")
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM takes
-LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")   # a PEFT adapter folder
 # -----------------------------------------------------------------------------
 
 
@@ -281,23 +276,20 @@ _ENGINES = []   # the engines this process built (shutdown stops them)
 class Engine:
     """An engine of build_engine's: vLLM's LLM, and what rloo keeps beside it"""
     vllm: object                  # vllm.LLM, in this process (external_launcher)
-    # adapters are served on base_path's weights: after other full weights went in (serve_hf,
-    # sync_weights), serve_adapter puts these back first (METHOD.md "LoRA")
     base_path: str                # the model the engine was built from
-    adapter_dir: str              # where this rank writes the adapters it serves (sync_adapter)
-    adapter: object = None        # the LoRARequest a request gets unless told one (sync_weights)
-    base_replaced: bool = False   # other full weights went in since it was built
+    base_replaced: bool = False   # other full weights went in since it was built (serve_hf)
+    # what lora.py keeps of the adapters the engine serves (on base_path's weights)
+    adapter: object = None        # the LoRARequest a request gets unless told one (generate)
     adapter_ids: int = 0          # adapter ids used so far: each version gets a new one
+    adapter_dir: str = ""         # where this rank writes them ("": none yet)
 
 
 def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
-                 gpu_memory_utilization: float = 0.3, verbose: bool = False, lora_rank: int = 0,
-                 max_loras: int = 2, **engine_args):
+                 gpu_memory_utilization: float = 0.3, verbose: bool = False, **engine_args):
     """One engine per rank, built ONCE (all ranks at the same time: vLLM makes groups) and
-    reused for every model the rank serves; weights change only through sync_weights. With
-    `lora_rank`, it also serves adapters of up to that rank on its base, `max_loras` of them in one
-    call (METHOD.md "LoRA"). Unless `verbose`, vLLM's warnings and load bars stay off the console
-    (each silenced below)."""
+    reused for every model the rank serves; weights change only through sync_weights. engine_args
+    go to vLLM's LLM (lora.engine_args: adapters too). Unless `verbose`, vLLM's warnings and load
+    bars stay off the console (each silenced below)."""
     # INFO: a line per weight sync. WARNING, on every start: libtcmalloc / libiomp not preloaded,
     # "Triton is installed, but doesn't include CPU backend", set_num_threads after thread binding
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if verbose else "ERROR")
@@ -319,9 +311,6 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
     # wheel: bench --train-only), and importing it takes seconds
     from vllm import LLM
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if lora_rank:
-        engine_args.update(enable_lora=True, max_loras=max_loras, max_cpu_loras=max_loras,
-                           max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_rank))
     vllm = LLM(model=model_path, max_model_len=max_model_len, seed=seed + rank,
                # fp32 on CPU makes synced weights bit-equal to the trainer's (tests compare
                # logprobs); bf16 on GPU is what the trainer computes in anyway
@@ -337,13 +326,7 @@ def build_engine(model_path: str, *, max_model_len: int, seed: int = 0,
     # the rotary cos/sin cache is not in HF checkpoints, so every reload warns that it kept the
     # engine's own copy, which is right (set after LLM(): vLLM configures its loggers there)
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-    # where this rank writes the adapters it serves: each policy's version and the next one's
-    adapter_bytes = 0
-    if lora_rank:
-        adapter = parameter_counts(vllm.llm_engine.model_config.hf_config, lora_rank)[1]
-        adapter_bytes = 2 * max_loras * adapter * vllm.llm_engine.model_config.dtype.itemsize
-    adapter_dir = tempfile.mkdtemp(prefix="rloo-adapters-", dir=adapter_root(adapter_bytes))
-    llm = Engine(vllm, model_path, adapter_dir)
+    llm = Engine(vllm, model_path)
     _ENGINES.append(llm)
     return llm
 
@@ -354,7 +337,8 @@ def shutdown() -> None:
     while _ENGINES:
         llm = _ENGINES.pop()
         llm.vllm.llm_engine.engine_core.shutdown()
-        shutil.rmtree(llm.adapter_dir, ignore_errors=True)
+        if llm.adapter_dir:
+            shutil.rmtree(llm.adapter_dir, ignore_errors=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -375,7 +359,8 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
     global): results do not depend on the split, and no two samples of the call share a seed (vLLM
     seeds child j of a request with its seed + j; with seed + i, child j + 1 of request i and child
     j of request i + 1 were the same draw, the same completion for a repeated prompt). Request i is
-    served by adapters[i] (LoRA: several adapters in one call), else by what was synced last.
+    served by adapters[i] (vLLM LoRARequests, lora.py: several adapters in one call), else by what
+    was synced last.
     `logprobs`: keep the engine's log-prob of each sampled token. `max_tokens`: one for all, or one
     per prompt; `stop`: a string that ends a completion (kept in its text)."""
     from vllm import SamplingParams   # (see build_engine)
@@ -491,7 +476,7 @@ def count_correct(llm, problems: list[dict], *, prompt, correct, n: int, max_tok
     ({"question", "answer"}): greedy accuracy (n = 1, temperature 0), pass@k and fail@k all count
     this way. Sampled in chunks of prompts so 5000 x 128 samples never sit in memory at once;
     request i carries seed + i * n whatever the chunking (generate), so results do not depend on it.
-    `adapters` (LoRA): the adapter serving each problem (adapters_of), for several in one call."""
+    `adapters`: what serves each problem (requests_of), for several policies in one call."""
     step = chunk_prompts or max(1, 8192 // n)
     counts = []
     for lo in range(0, len(problems), step):
@@ -511,10 +496,8 @@ def count_correct(llm, problems: list[dict], *, prompt, correct, n: int, max_tok
 
 @dataclass
 class Policy:
-    model: torch.nn.Module            # FSDP2-sharded HF causal LM (fp32 master weights); LoRA: the
-                                      # frozen base, whole on each rank, shared by all policies
+    model: torch.nn.Module            # FSDP2-sharded HF causal LM (fp32 master weights)
     ref: torch.nn.Module | None       # frozen sharded copy for the KL term; None if kl_coef == 0
-                                      # and with LoRA (the base without an adapter is the reference)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     mesh: object                      # 1-D DeviceMesh: the ranks that train this policy together
@@ -524,17 +507,13 @@ class Policy:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     nonfinite: int = 0                        # updates skipped in a row (non-finite loss or grad)
     shared_prompts: bool = True               # token_logprobs' path (prompt_pass)
-    # LoRA (METHOD.md "LoRA"): this policy's A and B on model's frozen base, and its engine version
-    adapter: dict[str, torch.nn.Parameter] | None = None   # None: full fine-tuning
-    lora_alpha: float = 0.0                   # the update is scaled by alpha / rank
-    base_path: str = ""                       # the base model (adapter_config.json names it)
-    served: object = None                     # the LoRARequest of its version in the engine
+    # a model that reaches the engine and the disk its own way (lora.py: an adapter on a shared
+    # base): the module whose sync_weights, save_state, load_state and save_hf these call instead
+    backend: object = None
 
 
 def trainable(policy: Policy) -> dict[str, torch.Tensor]:
-    """what training changes, by name: the adapter (LoRA), else all of the model's parameters"""
-    if policy.adapter is not None:
-        return policy.adapter
+    """what training changes, by name: the model's parameters"""
     return dict(policy.model.named_parameters())
 
 
@@ -549,15 +528,15 @@ def reshard(model) -> None:
             m.reshard()
 
 
-def sync_weights(policy: Policy, llm) -> None:
+def sync_weights(policy: Policy, llm):
     """Stream the full weights into this rank's engine one tensor at a time (a generator, consumed
     as we gather: no full copy ever exists). model.state_dict() has plain HF names in the same order
     on every rank, and includes lm_head.weight even when tied: without it vLLM silently keeps stale
     logits (1.3 nats off in our tests). model.load_weights fails on the CPU runner; reload_weights
-    works, and takes a generator as external_launcher runs the worker in this process. LoRA: the
-    adapter alone (sync_adapter)."""
-    if policy.adapter is not None:
-        return sync_adapter(policy, llm)
+    works, and takes a generator as external_launcher runs the worker in this process. Returns
+    what serves the policy's requests: None, the engine's weights (a backend's: its adapter)."""
+    if policy.backend is not None:
+        return policy.backend.sync_weights(policy, llm)
     dtype = llm.vllm.llm_engine.model_config.dtype
     reshard(policy.model)
 
@@ -571,8 +550,8 @@ def sync_weights(policy: Policy, llm) -> None:
 
 def _reload_engine(llm, weights, base_replaced: bool) -> None:
     """Full weights, a generator of (name, tensor), into this rank's engine: requests are served by
-    them from then on. `base_replaced`: they are not the engine's base, so serve_adapter puts the
-    base back before an adapter is served on it."""
+    them from then on. `base_replaced`: they are not the engine's base (lora.serve_adapter puts the
+    base back before it serves an adapter on it)."""
     llm.vllm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     unread = [name for name, _ in weights]   # drained, so every rank runs the same all-gathers
     if unread:   # vLLM stopped reading early: the engine would serve stale weights
@@ -589,8 +568,8 @@ def serve_hf(llm, path: str) -> None:
     eval.py); requests are served by them from then on. The folder must hold the engine's
     architecture (a fine-tune of the model it was built from). A tied head is sent as the
     embedding: vLLM's reload_weights(weights_path=...) skips it and keeps the old head's logits
-    (5.3 nats off in our tests). vLLM's reload also drops every adapter it holds: serve_adapter
-    loads them again."""
+    (5.3 nats off in our tests). vLLM's reload also drops every adapter it holds
+    (lora.serve_adapter loads them again)."""
     # the engine's own base (built from this name or folder): adapters can be served on it
     base = path == llm.base_path or os.path.realpath(path) == os.path.realpath(llm.base_path)
     if not os.path.isdir(path):   # a hub name: its files, downloaded once (as vLLM does)
@@ -739,6 +718,17 @@ def rloo_loss(logp, ref_logp, adv, mask, kl_coef: float):
             (kl.detach() * mask).sum())
 
 
+def ppo_loss(logp, ref_logp, adv, mask, kl_coef: float, old_logp, clip: float = 0.2):
+    """PPO's clipped loss, as SeRL trains (METHOD.md "SeRL"), per completion token t, against the
+    log-probs before this round of updates (old_logp; train_step's old_logprobs):
+        pg = -min(r A, clip(r, 1 - clip, 1 + clip) A),   r = exp(logp - old_logp)
+    so a token whose ratio has left [1 - clip, 1 + clip] in A's direction gets no gradient. The KL
+    is in SeRL's advantages, not here. Returns rloo_loss's three sums (kl: 0)."""
+    ratio = torch.exp(logp - old_logp)
+    pg = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    return (pg * mask).sum(), (pg.detach() * mask).sum(), torch.zeros((), device=logp.device)
+
+
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     """group row indices (longest first) so rows * max_len <= budget tokens per micro-batch"""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -751,13 +741,32 @@ def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return batches
 
 
+def _passes(lengths: list[int], budget: int, group, dev) -> list[list[int]]:
+    """_micro_batches, padded with empty ones to the busiest rank's count of the group, or the FSDP
+    collectives hang"""
+    batches = _micro_batches(lengths, budget)
+    n = torch.tensor([len(batches)], device=dev)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    return batches + [[]] * (int(n.item()) - len(batches))
+
+
+def _per_token(values: list, width: int, dev) -> torch.Tensor:
+    """[rows, width]: a row's float on every position, or its per-token list right-padded with 0"""
+    out = torch.zeros(len(values), width)
+    for b, v in enumerate(values):
+        out[b, :len(v) if isinstance(v, list) else width] = torch.tensor(v)
+    return out.to(dev)
+
+
 def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-               advantages: list[float], *, loss, temperature: float,
-               micro_batch_tokens: int = 16384) -> dict:
+               advantages: list, *, loss, temperature: float, micro_batch_tokens: int = 16384,
+               old_logprobs: list[list[float]] | None = None) -> dict:
     """One update on this rank's rows of the batch (every rank of policy.mesh calls it with its
     own): `loss` (rloo_loss) of the log-probs at `temperature` (the one sampled at: on-policy),
     summed over the micro-batches, divided by the completion tokens of the GLOBAL batch and, as FSDP
-    averages gradients over ranks, times the mesh size."""
+    averages gradients over ranks, times the mesh size. A row's advantage is one float, or one per
+    completion token; with old_logprobs (ppo_loss: the rows' log-probs before this round of
+    updates, per token), the loss gets them as old_logp."""
     dev = policy.device
     group = policy.mesh.get_group()
     world = dist.get_world_size(group)
@@ -766,27 +775,26 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
     dist.all_reduce(stats[:1], group=group)
     n_tokens = stats[0].item()
     scale = world / max(n_tokens, 1.0)
-    batches = _micro_batches([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
-                             micro_batch_tokens)
-    # pad with zero-weight dummies to the busiest rank's passes, or the FSDP collectives hang
-    n_mb = torch.tensor([len(batches)], device=dev)
-    dist.all_reduce(n_mb, op=dist.ReduceOp.MAX, group=group)
-    batches += [[]] * (int(n_mb.item()) - len(batches))
+    batches = _passes([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
+                      micro_batch_tokens, group, dev)
     for rows in batches:   # a dummy ([]): one prompt token, an empty completion (mask 0)
         batch = ([prompt_ids[i] for i in rows] or [[0]], [completion_ids[i] for i in rows] or [[]])
-        if policy.adapter is not None:
-            set_adapter(policy.model, policy)   # LoRA: this policy's adapter on the shared base
-        logp, mask = token_logprobs(policy.model, *batch, temperature, dev, policy.shared_prompts)
+        # the reference first: a model that shares weights with it (lora.py) then recomputes its
+        # own forward in backward (activation checkpointing)
         ref_logp = reference_logprobs(policy, *batch, temperature)
-        adv = torch.tensor([[advantages[i]] for i in rows] or [[0.0]], device=dev)
-        total, pg, kl = loss(logp, ref_logp, adv, mask, policy.kl_coef)
+        logp, mask = token_logprobs(policy.model, *batch, temperature, dev, policy.shared_prompts)
+        adv = _per_token([advantages[i] for i in rows] or [0.0], logp.shape[1], dev)
+        extra = {}
+        if old_logprobs is not None:
+            extra["old_logp"] = _per_token([old_logprobs[i] for i in rows] or [[]],
+                                           logp.shape[1], dev)
+        total, pg, kl = loss(logp, ref_logp, adv, mask, policy.kl_coef, **extra)
         (total * scale * (1.0 if rows else 0.0)).backward()
         stats[1] += pg
         stats[2] += kl
     dist.all_reduce(stats[1:], group=group)
     METER.count("trained", sum(map(len, prompt_ids)) + sum(map(len, completion_ids)))
-    if policy.adapter is not None:
-        _average_gradients(list(policy.adapter.values()), group)
+    _average_whole_gradients(list(trainable(policy).values()), group)
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable(policy).values(), policy.grad_clip)
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
@@ -812,21 +820,45 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
 
 @torch.no_grad()
 def reference_logprobs(policy: Policy, prompts, completions, temperature: float):
-    """token_logprobs of the KL reference (None without one): the frozen copy, or with LoRA the
-    base without an adapter (the policy's is put back: activation checkpointing recomputes the
-    policy's forward in backward)"""
-    args = (prompts, completions, temperature, policy.device, policy.shared_prompts)
-    if policy.ref is not None:
-        logp = token_logprobs(policy.ref, *args)[0]
-        reshard(policy.ref)   # else its root (embeddings, head) stays gathered (0.7 GiB)
-        return logp
-    if policy.adapter is None or policy.kl_coef == 0:
+    """token_logprobs of the frozen KL reference; None without one or with kl_coef 0"""
+    if policy.ref is None or policy.kl_coef == 0:
         return None
-    set_adapter(policy.model, None)
-    try:
-        return token_logprobs(policy.model, *args)[0]
-    finally:
-        set_adapter(policy.model, policy)
+    logp = token_logprobs(policy.ref, prompts, completions, temperature, policy.device,
+                          policy.shared_prompts)[0]
+    reshard(policy.ref)   # else its root (embeddings, head) stays gathered (0.7 GiB)
+    return logp
+
+
+@torch.no_grad()
+def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
+                      temperature: float, dev, shared: bool, micro_batch_tokens: int,
+                      group) -> list[list[float]]:
+    """token_logprobs of each of this rank's rows, a list per row, with no gradient, in
+    micro-batches (every rank of the group that shards `model` calls it, as many passes on each)"""
+    out = [None] * len(prompt_ids)
+    for rows in _passes([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
+                        micro_batch_tokens, group, dev):
+        batch = ([prompt_ids[i] for i in rows] or [[0]], [completion_ids[i] for i in rows] or [[]])
+        logp, _ = token_logprobs(model, *batch, temperature, dev, shared)
+        for b, i in enumerate(rows):
+            out[i] = logp[b, :len(completion_ids[i])].tolist()
+    reshard(model)
+    return out
+
+
+def _average_whole_gradients(params: list, group) -> None:
+    """The mean gradient over the group's ranks, as FSDP2 gives its sharded parameters, for those it
+    does not shard (held whole on every rank: lora.py's adapters): one flat all-reduce. Full
+    fine-tuning has none."""
+    params = [p for p in params if not isinstance(p, DTensor)]
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)
 
 
 def rl_step(policy: Policy, llm, batch: list[tuple[str, str]], **kwargs) -> dict:
@@ -840,9 +872,9 @@ def rl_steps(policies: list[Policy], llm, batches: list[list[tuple[str, str]]], 
              train_temperature: float | None = None) -> list[dict]:
     """One RL step of each policy on its batch of (question, answer) pairs (METHOD.md "Inner loop";
     also eval.py's fresh students): sync, sample `samples` completions of prompt(question) per
-    question on the group's engines, all policies in one engine call (LoRA: each request served by
-    its policy's adapter), score them with reward(completions, answers) (split over the ranks),
-    `advantages` of each question's [samples] rewards (rloo_advantages: leave-one-out;
+    question on the group's engines, all policies in one engine call (several: each request served
+    by its policy's adapter, lora.py), score them with reward(completions, answers) (split over the
+    ranks), `advantages` of each question's [samples] rewards (rloo_advantages: leave-one-out;
     sept_advantages: all 1), then one `loss` update per policy at train_temperature (default: the
     sampling one). Phases: sync, student_rollouts (sampling and scoring). Returns, per policy,
     train_step's stats, the mean `reward`, `rewards` (flat, question by question) and
@@ -851,16 +883,11 @@ def rl_steps(policies: list[Policy], llm, batches: list[list[tuple[str, str]]], 
     if group is None:
         group = policies[0].mesh.get_group()
     with timed("sync"):
-        for policy in policies:
-            sync_weights(policy, llm)
-    with timed("student_rollouts"):
-        pairs = [pair for batch in batches for pair in batch]
-        outs = generate(llm, [prompt(q) for q, _ in pairs], n=samples, temperature=temperature,
-                        max_tokens=max_tokens, seed=seed, group=group,
-                        adapters=adapters_of(policies, [len(b) for b in batches]))
-        flat = [(smp, a) for o, (_, a) in zip(outs, pairs) for smp in o]
-        rewards = split_map(lambda share: reward([s.text for s, _ in share], [a for _, a in share]),
-                            flat, group)
+        served = [sync_weights(policy, llm) for policy in policies]
+    flat, rewards = rollouts(llm, [pair for batch in batches for pair in batch], prompt=prompt,
+                             reward=reward, samples=samples, max_tokens=max_tokens, seed=seed,
+                             temperature=temperature, group=group,
+                             adapters=requests_of(served, [len(b) for b in batches]))
     if train_temperature is None:
         train_temperature = temperature
     results = []
@@ -881,21 +908,37 @@ def rl_steps(policies: list[Policy], llm, batches: list[list[tuple[str, str]]], 
     return results
 
 
-def adapters_of(policies: list[Policy], counts: list[int]) -> list | None:
-    """The adapter serving each request of a call that holds counts[b] requests of policies[b]
-    (after their syncs); None for one policy: the engine serves what was synced last. Several
-    policies in one call must be LoRA adapters: the engine holds one set of full weights."""
-    if len(policies) == 1:
+def rollouts(llm, pairs: list[tuple[str, str]], *, prompt, reward, samples: int, max_tokens: int,
+             seed: int, temperature: float, group, adapters=None) -> tuple[list, list[float]]:
+    """`samples` completions of prompt(question) per (question, answer) pair on the group's engines
+    (generate), each scored by reward(completions, answers) (split over the ranks): the (Sample,
+    answer) of every completion, question by question, and their rewards. Phase:
+    student_rollouts."""
+    with timed("student_rollouts"):
+        outs = generate(llm, [prompt(q) for q, _ in pairs], n=samples, temperature=temperature,
+                        max_tokens=max_tokens, seed=seed, group=group, adapters=adapters)
+        flat = [(smp, a) for o, (_, a) in zip(outs, pairs) for smp in o]
+        rewards = split_map(lambda share: reward([s.text for s, _ in share], [a for _, a in share]),
+                            flat, group)
+    return flat, rewards
+
+
+def requests_of(served: list, counts: list[int]) -> list | None:
+    """What serves each request of a call that holds counts[b] requests of the b-th of several
+    policies, from what sync_weights returned for each; None for one policy: the engine serves
+    what was synced last. Several in one call must be adapters (lora.py): the engine holds one set
+    of full weights."""
+    if len(served) == 1:
         return None
-    if any(p.adapter is None for p in policies):
-        raise ValueError("several policies in one engine call need LoRA adapters (lora_rank > 0)")
-    return [p.served for p, count in zip(policies, counts) for _ in range(count)]
+    if any(s is None for s in served):
+        raise ValueError("several policies in one engine call need LoRA adapters (lora.py)")
+    return [s for s, count in zip(served, counts) for _ in range(count)]
 
 
 # -----------------------------------------------------------------------------
 # loading a policy
 
-def _load_hf(path: str, dtype, activation_checkpointing: bool):
+def load_hf(path: str, dtype, activation_checkpointing: bool):
     """the HF causal LM in `path`, its head returning its input (token_logprobs applies it)"""
     hf_logging.disable_progress_bar()   # else a bar per load and per save_hf, in every log
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -917,7 +960,7 @@ def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
     # trained weights stay fp32 (AdamW steps at lr 1e-5 vanish in bf16), the frozen ref may be bf16.
     gpu = mesh.device_type == "cuda"
     dtype = torch.float32 if trainable or not gpu else GPU_PARAM_DTYPE
-    model = _load_hf(path, dtype, activation_checkpointing)
+    model = load_hf(path, dtype, activation_checkpointing)
     mp = MixedPrecisionPolicy(param_dtype=GPU_PARAM_DTYPE if gpu else torch.float32,
                               reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -926,6 +969,18 @@ def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
     model.train(trainable)
     model.requires_grad_(trainable)
     return model
+
+
+def load_reference(path: str, mesh):
+    """the model in HF folder `path`, frozen and sharded over mesh: a KL reference"""
+    return _load_sharded(path, mesh, False)
+
+
+def device_of(mesh) -> torch.device:
+    """this rank's device on mesh"""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def reset_optimizer(policy: Policy, *, lr: float, warmup_steps: int,
@@ -954,30 +1009,16 @@ def prompt_pass(choice: str, device_type: str) -> bool:
 
 def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: int | None,
                 kl_coef: float = 0.001, grad_clip: float = 1.0,
-                activation_checkpointing: bool = False, prompts: str = "auto",
-                lora_rank: int = 0, lora_alpha: float = 32.0, base=None,
-                seed: int = 0) -> Policy:
+                activation_checkpointing: bool = False, prompts: str = "auto") -> Policy:
     """The model in HF folder `path`, sharded over mesh, with AdamW and, if kl_coef > 0, a frozen
     copy of it as the KL reference (METHOD.md "Hyperparameters": KL to the start model). `prompts`:
-    token_logprobs' forward path (prompt_pass). With `lora_rank`, a fresh adapter of that rank
-    (drawn from `seed`) on the frozen base `base` (another LoRA policy's model), or on one loaded
-    here: only the adapter trains, and the base alone is the KL reference (METHOD.md "LoRA")."""
-    if mesh.device_type == "cuda":
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu")
+    token_logprobs' forward path (prompt_pass)."""
     cfg_dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
-    policy = Policy(None, None, None, None, mesh, kl_coef, grad_clip, device=dev,
+    policy = Policy(None, None, None, None, mesh, kl_coef, grad_clip, device=device_of(mesh),
                     save_dtype=cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32,
                     shared_prompts=prompt_pass(prompts, mesh.device_type))
-    if lora_rank:
-        policy.model = base if base is not None else _load_base(path, dev, activation_checkpointing)
-        policy.adapter = new_adapter(policy.model, lora_rank, seed)
-        policy.lora_alpha = lora_alpha
-        policy.base_path = path
-    else:
-        policy.model = _load_sharded(path, mesh, True, activation_checkpointing)
-        policy.ref = _load_sharded(path, mesh, False) if kl_coef > 0 else None
+    policy.model = _load_sharded(path, mesh, True, activation_checkpointing)
+    policy.ref = load_reference(path, mesh) if kl_coef > 0 else None
     reset_optimizer(policy, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps)
     return policy
 
@@ -985,14 +1026,12 @@ def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: i
 # -----------------------------------------------------------------------------
 # the model's size and the engine sized for a step (METHOD.md "Scale layout")
 
-def parameter_counts(config, lora_rank: int = 0) -> tuple[int, int]:
-    """(parameters of the causal LM of HF `config`, parameters of one rank-`lora_rank` adapter on
-    every linear layer of its decoder), counted on the meta device: nothing is allocated"""
+def parameter_count(config) -> int:
+    """parameters of the causal LM of HF `config`, counted on the meta device: nothing is
+    allocated"""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    n = sum(p.numel() for p in model.parameters())
-    linear = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    return n, sum(lora_rank * (m.in_features + m.out_features) for m in linear)
+    return sum(p.numel() for p in model.parameters())
 
 
 def step_engine_args(seqs: int, prompt_tokens: int) -> dict:
@@ -1010,166 +1049,6 @@ def step_engine_args(seqs: int, prompt_tokens: int) -> dict:
 def kv_capacity(llm) -> int:
     """tokens this rank's engine holds in its KV cache (what vLLM profiled at start)"""
     return llm.vllm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens or 0
-
-
-# -----------------------------------------------------------------------------
-# LoRA (METHOD.md "LoRA"): adapters on one frozen base per rank, written in the PEFT format
-
-class LoraLinear(torch.nn.Module):
-    """A frozen linear layer plus the low-rank update of the adapter active on it:
-    y = W x + (alpha / r) B A x. A and B belong to a policy (Policy.adapter), not to this module,
-    so one base serves the teacher and every student, and with no adapter, the KL reference."""
-
-    def __init__(self, base_layer: torch.nn.Linear):
-        super().__init__()
-        self.base_layer = base_layer
-        self.active = None   # (A, B, alpha / r) of the active adapter; None: the base alone
-
-    def forward(self, x):
-        y = self.base_layer(x)
-        if self.active is None:
-            return y
-        A, B, scale = self.active
-        return y + scale * F.linear(F.linear(x, A.to(x.dtype)), B.to(x.dtype))
-
-
-def lora_layers(model) -> list[tuple[str, LoraLinear]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLinear)]
-
-
-def _load_base(path: str, dev, activation_checkpointing: bool):
-    """The frozen base, whole on this rank as in its engine, in the compute dtype (bf16 on GPUs:
-    nothing of it is trained), with every linear layer of its decoder in a LoraLinear (the
-    embeddings and the head stay as they are, as with PEFT's "all-linear")."""
-    dtype = GPU_PARAM_DTYPE if dev.type == "cuda" else torch.float32
-    model = _load_hf(path, dtype, activation_checkpointing)
-    linear = [name for name, m in model.model.layers.named_modules()
-              if isinstance(m, torch.nn.Linear)]
-    for name in linear:
-        parent, _, leaf = name.rpartition(".")
-        holder = model.model.layers.get_submodule(parent)
-        setattr(holder, leaf, LoraLinear(getattr(holder, leaf)))
-    model.requires_grad_(False)
-    # eval mode: no dropout, so the base alone is a fixed KL reference and base + adapter the
-    # function the engine samples; but HF recomputes a decoder layer's activations
-    # (activation_checkpointing) only while that layer is training: its own flag alone is set
-    model.eval()
-    if activation_checkpointing:
-        for layer in model.model.layers:
-            layer.training = True
-    return model.to(dev)
-
-
-def new_adapter(model, rank: int, seed: int) -> dict[str, torch.nn.Parameter]:
-    """A fresh fp32 adapter for every LoraLinear of model, the same on every rank (`seed`): A drawn
-    as PEFT draws it (Kaiming-uniform, bound 1/sqrt(fan_in)), B = 0, so it starts as the base."""
-    g = torch.Generator().manual_seed(seed)
-    adapter = {}
-    for name, m in lora_layers(model):
-        out_features, in_features = m.base_layer.weight.shape
-        bound = 1 / math.sqrt(in_features)
-        A = torch.empty(rank, in_features).uniform_(-bound, bound, generator=g)
-        dev = m.base_layer.weight.device
-        adapter[name + ".lora_A"] = torch.nn.Parameter(A.to(dev))
-        adapter[name + ".lora_B"] = torch.nn.Parameter(torch.zeros(out_features, rank, device=dev))
-    return adapter
-
-
-def set_adapter(model, policy: Policy | None) -> None:
-    """make policy's adapter the active one on model's LoraLinears (None: the base alone)"""
-    for name, m in lora_layers(model):
-        if policy is None:
-            m.active = None
-        else:
-            A = policy.adapter[name + ".lora_A"]
-            m.active = (A, policy.adapter[name + ".lora_B"], policy.lora_alpha / A.shape[0])
-
-
-def adapter_config(policy: Policy) -> dict:
-    """adapter_config.json of a PEFT LoRA folder holding policy's adapter"""
-    A = next(iter(policy.adapter.values()))
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": policy.base_path, "r": A.shape[0],
-            "lora_alpha": policy.lora_alpha, "lora_dropout": 0.0, "bias": "none",
-            "target_modules": sorted({name.split(".")[-2] for name in policy.adapter}),
-            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-            "inference_mode": True}
-
-
-def write_adapter(policy: Policy, path: str, dtype=torch.float32) -> None:
-    """policy's adapter as a PEFT folder: what peft.PeftModel.from_pretrained and vLLM's
-    LoRARequest load on the base model"""
-    os.makedirs(path, exist_ok=True)
-    tensors = {f"base_model.model.{name}.weight": p.detach().to("cpu", dtype).contiguous()
-               for name, p in policy.adapter.items()}
-    save_file(tensors, os.path.join(path, LORA_FILES[1]))
-    with open(os.path.join(path, LORA_FILES[0]), "w", encoding="utf-8") as f:
-        json.dump(adapter_config(policy), f, indent=1)
-
-
-def _adapter_config(path: str) -> dict:
-    """adapter_config.json of the PEFT LoRA folder `path`; {} if it is not one"""
-    config = os.path.join(path, LORA_FILES[0])
-    if not os.path.exists(config):
-        return {}
-    with open(config, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def adapter_rank(path: str) -> int:
-    """the rank of the PEFT LoRA folder `path`; 0 if it is not one"""
-    return _adapter_config(path).get("r", 0)
-
-
-def adapter_base(path: str) -> str:
-    """the base model the PEFT LoRA folder `path` was trained on; "" if it is not one"""
-    return _adapter_config(path).get("base_model_name_or_path", "")
-
-
-def serve_adapter(llm, path: str):
-    """The PEFT folder `path` into this rank's engine under a new id, loaded now; requests are
-    served by it from then on (generate). Returns its LoRARequest. Adapters are served on the
-    engine's base: full weights served or synced since are replaced by the base's first."""
-    from vllm.lora.request import LoRARequest   # (see build_engine)
-    if llm.base_replaced:
-        serve_hf(llm, llm.base_path)
-    llm.adapter_ids += 1
-    request = LoRARequest(f"adapter-{llm.adapter_ids}", llm.adapter_ids, path)
-    llm.vllm.llm_engine.add_lora(request)
-    llm.adapter = request
-    return request
-
-
-def sync_adapter(policy: Policy, llm) -> None:
-    """LoRA's weight sync: the policy's adapter, in the engine's dtype, as a new adapter of the
-    engine. Always a new id: vLLM caches adapters by id, and new weights under an id it holds
-    would be served stale, silently. The policy's previous version leaves the engine."""
-    path = os.path.join(llm.adapter_dir, str(llm.adapter_ids + 1))
-    write_adapter(policy, path, llm.vllm.llm_engine.model_config.dtype)
-    previous = policy.served
-    policy.served = serve_adapter(llm, path)
-    if previous is not None:
-        llm.vllm.llm_engine.remove_lora(previous.lora_int_id)
-        shutil.rmtree(previous.lora_path, ignore_errors=True)
-
-
-def _average_gradients(params: list, group) -> None:
-    """LoRA: the mean gradient over the group's ranks (what FSDP2 does for a sharded model), for
-    the adapter every rank holds whole: one flat all-reduce"""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
-        p.grad = g.view_as(p)
-
-
-def adapter_root(need_bytes: int, shm: str = SHM) -> str | None:
-    """RAM-backed `shm` where it exists and has need_bytes free, else the temporary folder (None: a
-    container's /dev/shm is 64 MB by default, less than one rank-32 adapter of a 3B model)"""
-    if os.path.isdir(shm) and shutil.disk_usage(shm).free >= need_bytes:
-        return shm
-    return None
 
 
 # -----------------------------------------------------------------------------
@@ -1191,8 +1070,8 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def snapshot(policy: Policy) -> dict[str, torch.Tensor]:
-    """clone of this rank's local shards (LoRA: of the adapter), in host memory (students restart
-    from theta in memory)"""
+    """clone of this rank's local shards of the trained parameters, in host memory (students
+    restart from theta in memory)"""
     reshard(policy.model)
     return {n: _host_copy(_local(p).detach()) for n, p in trainable(policy).items()}
 
@@ -1243,38 +1122,21 @@ def save_state(policy: Policy, path: str, optimizer: bool = True) -> None:
     """The weights and, if `optimizer`, the AdamW and schedule state, sharded (torch.distributed.
     checkpoint; all ranks of the job call; the folder must be on a filesystem all ranks see). On a
     sub-mesh (students) the groups' copies are deduplicated, so must hold the same weights (theta).
-    Not atomic itself: write it into a folder that appears in one rename. LoRA: the adapter (and
-    its AdamW and schedule state), the same on every rank, in one file rank 0 writes."""
-    if policy.adapter is None:
-        return dcp.save(_state(policy, optimizer), checkpoint_id=path)
-    if rank0():
-        state = {"adapter": {n: p.detach().cpu() for n, p in policy.adapter.items()}}
-        if optimizer:
-            state.update(optim=policy.optimizer.state_dict(), sched=policy.scheduler.state_dict())
-        os.makedirs(path, exist_ok=True)
-        torch.save(state, os.path.join(path, "adapter.pt"))
-    dist.barrier()
+    Not atomic itself: write it into a folder that appears in one rename."""
+    if policy.backend is not None:
+        return policy.backend.save_state(policy, path, optimizer)
+    dcp.save(_state(policy, optimizer), checkpoint_id=path)
 
 
 def load_state(policy: Policy, path: str, optimizer: bool = True) -> None:
-    if policy.adapter is not None:
-        _load_adapter_state(policy, path, optimizer)
+    """what save_state wrote into `path`; its weights and optimizer state must be finite"""
+    if policy.backend is not None:
+        policy.backend.load_state(policy, path, optimizer)
     else:
         _load_sharded_state(policy, path, optimizer)
     if not finite(policy, optimizer):
         raise RuntimeError(f"{path} holds non-finite weights or optimizer state; move its "
                            "checkpoint aside to resume from the one before")
-
-
-def _load_adapter_state(policy: Policy, path: str, optimizer: bool) -> None:
-    state = torch.load(os.path.join(path, "adapter.pt"), map_location=policy.device,
-                       weights_only=True)
-    with torch.no_grad():
-        for n, p in policy.adapter.items():
-            p.copy_(state["adapter"][n])
-    if optimizer:
-        policy.optimizer.load_state_dict(state["optim"])
-        policy.scheduler.load_state_dict(state["sched"])
 
 
 def _load_sharded_state(policy: Policy, path: str, optimizer: bool) -> None:
@@ -1294,21 +1156,26 @@ def save_hf(policy: Policy, path: str, tokenizer=None, version: int = 0,
     """Gather the full weights on rank 0 and write an HF folder that from_pretrained / vLLM load
     (safetensors, in the dtype of the checkpoint the policy started from), with `extra` json files.
     It is written as path.v<version>/, then `path`, a symbolic link, is switched to it in one
-    os.replace: a reader finds the old folder or the new one, never none. All ranks call. LoRA: a
-    PEFT adapter folder (fp32) for the base model, in place of the full weights."""
-    if policy.adapter is None:
-        reshard(policy.model)
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        sd = get_model_state_dict(policy.model, options=options)
+    os.replace: a reader finds the old folder or the new one, never none. All ranks call."""
+    if policy.backend is not None:
+        return policy.backend.save_hf(policy, path, tokenizer, version, extra)
+    reshard(policy.model)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd = get_model_state_dict(policy.model, options=options)
+    state_dict = {k: v.to(policy.save_dtype) for k, v in sd.items()} if rank0() else None
+    write_folder(path, version, lambda folder: policy.model.save_pretrained(
+        folder, state_dict=state_dict), tokenizer, extra)
+
+
+def write_folder(path: str, version: int, write_weights, tokenizer=None,
+                 extra: dict | None = None) -> None:
+    """save_hf's folder: write_weights(folder), the tokenizer and the `extra` json files into
+    path.v<version>/, then the link `path` switched to it; rank 0 writes, all ranks call"""
     if rank0():
         target = f"{path}.v{version}"
         for d in (target + ".tmp", target):
             shutil.rmtree(d, ignore_errors=True)
-        if policy.adapter is not None:
-            write_adapter(policy, target + ".tmp")
-        else:
-            policy.model.save_pretrained(
-                target + ".tmp", state_dict={k: v.to(policy.save_dtype) for k, v in sd.items()})
+        write_weights(target + ".tmp")
         if tokenizer is not None:
             tokenizer.save_pretrained(target + ".tmp")
         for name, obj in (extra or {}).items():

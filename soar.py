@@ -217,7 +217,8 @@ class Step:
 
 
 def main(cfg: Config):
-    cfg = world.resolve(cfg)   # without --model: the built-in world's model and hard set (cached)
+    """Algorithm 1 on cfg (without --model, world.resolve has filled in the built-in world's model
+    and hard set: see the end of this file)"""
     teacher_reward = TEACHER_REWARDS[cfg.reward]
     # the harness (launch.py): ranks, meshes, engine, teacher, student, theta, from the checkpoint
     # when there is one; None if the run is finished
@@ -321,16 +322,15 @@ def baseline_accuracy(cfg: Config, run, q_r: list[dict]) -> float:
 
 def accuracies(cfg: Config, run, questions: list[dict], policies: list):
     """Each policy's greedy accuracy (METHOD.md "Rewards": Acc is binary, greedy) on the group's
-    engines, all in one engine call (several policies: LoRA adapters, rloo.adapters_of)."""
+    engines, all in one engine call (several policies: LoRA adapters, rloo.requests_of)."""
     with rloo.timed("sync"):
-        for policy in policies:
-            rloo.sync_weights(policy, run.llm)
+        served = [rloo.sync_weights(policy, run.llm) for policy in policies]
     M = len(questions)
     with rloo.timed("evaluation"):
         counts = rloo.count_correct(run.llm, questions * len(policies), prompt=data.student_prompt,
                                     correct=data.solved, n=1, temperature=0.0,
                                     max_tokens=cfg.student_max_tokens, seed=0,
-                                    adapters=rloo.adapters_of(policies, [M] * len(policies)),
+                                    adapters=rloo.requests_of(served, [M] * len(policies)),
                                     group=run.mesh["fsdp"].get_group())
     return [sum(counts[b * M:(b + 1) * M]) / M for b in range(len(policies))]
 
@@ -536,4 +536,4 @@ TEACHER_REWARDS = {"grounded": TeacherReward(grounded, trains_students=True),
 
 
 if __name__ == "__main__":
-    launch.main("soar.py", lambda: main(parse_args()))
+    launch.main("soar.py", lambda: main(world.resolve(parse_args())))

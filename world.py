@@ -2,7 +2,14 @@
 problems it fails at (fail@128), all made here on CPU, so that the default run and the tests
 need no GPU and no hub.
 
-    python world.py [--out DIR] [--small] [--seed N]    # build (or reuse) and print the figures
+    python world.py [--small]                  # the world that ships (worlds/), its figures
+    python world.py --ship [--small]           # rebuild it from this file, say if it is the same
+    python world.py --out DIR [--seed N]       # build another (or reuse it) and print its figures
+
+The default world and the tests' small one ship built, in worlds/default and worlds/small (a model,
+its tokenizer, the hard split, the figures): every host runs the same world, which a host's CPU
+would otherwise change (docs/world.md). They are checked against this file's recipe (build_key);
+after a change to it, they must be rebuilt (--ship).
 
 The family: small additions and subtractions, bare ("What is 12 - 3?") or as word problems of one to
 four steps ("Tom has 12 apples. He gives away 3, then finds 2. How many apples does he have now?"),
@@ -501,18 +508,42 @@ _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "MASTER_PORT")
 
 
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worlds")   # worlds/<kind>
+
+
+def kind(small: bool) -> str:
+    return "small" if small else "default"
+
+
+def shipped_world(small: bool = False) -> dict:
+    """The paths of the world that ships (worlds/default, worlds/small), if it was built from this
+    file's recipe; else an error that names the command that rebuilds it."""
+    folder = os.path.join(SHIPPED, kind(small))
+    paths = _paths(folder)
+    key = build_key(small, 0)
+    built = data.read_json(paths["stats"])["key"] if os.path.exists(paths["stats"]) else None
+    if built != key:
+        from launch import UsageError   # (torch: not at the top, see the imports)
+        raise UsageError(f"{folder} was built from another recipe than world.py's (key {built}, "
+                         f"now {key}): rebuild it with `python world.py --ship"
+                         f"{' --small' * small}`")
+    return paths
+
+
 def build_world(out_dir: str | None = None, small: bool = False, seed: int = 0) -> dict:
     """Build the world (or reuse a finished one) and return its paths: model (HF folder),
-    train / test (hard problems, jsonl), stats (json).
+    train / test (hard problems, jsonl), stats (json). Without out_dir, seed 0's is the one that
+    ships (shipped_world), and another seed's goes to .cache/.
 
     The build runs in a child process: it gets its own 1-rank vLLM engine and process group
     whatever the caller runs under (torchrun, pytest), its own pinned threads and kernels
     (PINNED_ENV), and frees all of it on exit. It writes into a temporary folder renamed into
     place at the end, so a folder under the final name is finished."""
+    if out_dir is None and seed == 0:
+        return shipped_world(small)
     key = build_key(small, seed)
     out = os.path.abspath(out_dir or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), ".cache",
-        f"world-{'small' if small else 'default'}-{key}"))
+        os.path.dirname(os.path.abspath(__file__)), ".cache", f"world-{kind(small)}-{key}"))
     paths = _paths(out)
     if not os.path.exists(paths["stats"]):
         if os.path.exists(out):
@@ -581,16 +612,37 @@ def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None,
-                   help="folder of the world (default: .cache/world-<kind>-<hash>)")
+                   help="folder of the world (default: the one that ships, worlds/<kind>, for "
+                        "seed 0; else .cache/world-<kind>-<hash>)")
     p.add_argument("--small", action="store_true", help="the smaller, faster world of the tests")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ship", action="store_true",
+                   help="rebuild the world that ships from this file and put it in worlds/")
     p.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # build_world's child
     a = p.parse_args()
     if a.here:   # build_world's child: it must not outlive the process that waits for it
         data.die_with_parent()
-        return _build_here(a.out, RECIPES["small" if a.small else "default"], a.seed,
+        return _build_here(a.out, RECIPES[kind(a.small)], a.seed,
                            key=build_key(a.small, a.seed), small=a.small)
+    if a.ship:
+        return ship(a.small)
     print(summary(build_world(a.out, a.small, a.seed)))
+
+
+def ship(small: bool) -> None:
+    """worlds/<kind> rebuilt from this file's recipe (seed 0), and whether its hard set equals the
+    one that shipped before (the world's fingerprint): on another host's CPU it may not"""
+    folder = os.path.join(SHIPPED, kind(small))
+    before = _paths(folder)["stats"]
+    old = data.read_json(before)["fingerprint"] if os.path.exists(before) else None
+    tmp = f"{folder}.new-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    new = data.read_json(build_world(tmp, small)["stats"])["fingerprint"]
+    shutil.rmtree(folder, ignore_errors=True)
+    os.rename(tmp, folder)
+    same = "the same hard set as" if new == old else "another hard set than"
+    print(f"{folder}: rebuilt, fingerprint {new}: {same} what shipped before ({old})")
+    print(summary(_paths(folder)))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTo
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import launch  # noqa: E402
+import lora  # noqa: E402
 import rloo  # noqa: E402
 
 SHAPES = {  # LlamaConfig fields; head_dim 64 everywhere (the CPU attention kernels want >= 32)
@@ -108,7 +109,8 @@ def memory_table(shape: str, rank: int) -> str:
     once beside the teacher's with LoRA rank `rank` (METHOD.md "LoRA"), else the teacher sharded
     over all ranks and a student over its group's (rank 0: full fine-tuning)."""
     cfg = LlamaConfig(**{"tie_word_embeddings": True, **SHAPES[shape]})
-    n, a = rloo.parameter_counts(cfg, rank)
+    n = rloo.parameter_count(cfg)
+    a = lora.adapter_parameters(cfg, rank)
     students = PAPER["students"]
 
     def per_rank(W, G, adapters):
@@ -335,7 +337,7 @@ def main():
     if not args.train_only:
         llm = rloo.build_engine(path, max_model_len=batch.prompt_len + batch.gen_len + 8,
                                 gpu_memory_utilization=args.gpu_memory_utilization,
-                                lora_rank=args.lora_rank, max_loras=ADAPTERS + 1)
+                                **lora.engine_args(args.lora_rank, ADAPTERS + 1))
         gen = time_generation(llm, prompts, args.samples, batch.gen_len, dev)
     elif dev.type == "cuda":   # what the engine would take: the trainer gets the rest
         free, total = torch.cuda.mem_get_info()
@@ -349,13 +351,13 @@ def main():
     syncs = {}     # kind -> seconds of a weight sync
     adapters_line = None
     if args.lora_rank:   # first, so its peak memory holds no full fine-tuning state
-        lora = rloo.load_policy(path, mesh, lora_rank=args.lora_rank, **opts)
+        adapter = lora.load_policy(path, mesh, rank=args.lora_rank, **opts)
         for p in passes:
-            results["lora", p] = time_pass(lora, batch, rloo.prompt_pass(p, dev.type), dev)
+            results["lora", p] = time_pass(adapter, batch, rloo.prompt_pass(p, dev.type), dev)
         if llm is not None:
-            syncs["lora"] = timed(lambda: rloo.sync_weights(lora, llm), dev)[1]
-            adapters_line = time_adapters(llm, lora, prompts, args.samples, batch.gen_len, dev)
-        del lora
+            syncs["lora"] = timed(lambda: rloo.sync_weights(adapter, llm), dev)[1]
+            adapters_line = time_adapters(llm, adapter, prompts, args.samples, batch.gen_len, dev)
+        del adapter
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     pol = rloo.load_policy(path, mesh, **opts)
@@ -412,12 +414,12 @@ def time_adapters(llm, policy, prompts: list, samples: int, gen_len: int, dev) -
     for k in range(ADAPTERS):
         g = torch.Generator().manual_seed(k)
         with torch.no_grad():
-            for name, p in policy.adapter.items():
+            for name, p in policy.model.adapter.items():
                 if name.endswith("lora_B"):
                     p.copy_(0.01 * torch.randn(p.shape, generator=g))
-        folder = os.path.join(llm.adapter_dir, f"bench-{k}")
-        rloo.write_adapter(policy, folder, llm.vllm.llm_engine.model_config.dtype)
-        requests.append(rloo.serve_adapter(llm, folder))
+        folder = os.path.join(lora.adapter_dir(llm), f"bench-{k}")
+        lora.write_adapter(policy, folder, llm.vllm.llm_engine.model_config.dtype)
+        requests.append(lora.serve_adapter(llm, folder))
     kw = dict(n=samples, max_tokens=gen_len, group=dist.group.WORLD)
     rloo.generate(llm, prompts[:1], n=2, max_tokens=4, seed=0, adapters=requests[:1])   # warm-up
     one, t_one = timed(lambda: rloo.generate(llm, prompts * ADAPTERS, seed=1, **kw,

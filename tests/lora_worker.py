@@ -17,7 +17,7 @@ from rloo_dist_worker import PROMPTS, fixed_batch  # noqa: E402
 
 RANK = 8
 LR = 1e-2
-OPTS = dict(lr=LR, warmup_steps=0, total_steps=10, lora_rank=RANK, lora_alpha=16.0, kl_coef=0.1)
+OPTS = dict(lr=LR, warmup_steps=0, total_steps=10, rank=RANK, alpha=16.0, kl_coef=0.1)
 
 
 def engine_vs_trainer(llm, served, seed):
@@ -30,7 +30,6 @@ def engine_vs_trainer(llm, served, seed):
     errs = []
     for i, (policy, _) in enumerate(served):
         flat = [s for o in outs[i * k:(i + 1) * k] for s in o]
-        rloo.set_adapter(policy.model, policy)
         with torch.no_grad():
             lp, mask = rloo.token_logprobs(policy.model, [s.prompt_token_ids for s in flat],
                                            [s.token_ids for s in flat])
@@ -45,8 +44,9 @@ def lockstep(llm, student, theta, base, mesh):
     """Two students from theta, one RL step each: in one multi-adapter call (rloo.rl_steps, as
     soar.py's LoRA students train), then again one after another, each with the seeds its requests
     had in the shared call. Returns both runs' rewards and the largest adapter difference."""
+    import lora
     import rloo
-    other = rloo.load_policy(base, mesh, seed=4, base=student.model, **OPTS)
+    other = lora.load_policy(base, mesh, seed=4, base=lora.base_of(student), **OPTS)
     batches = [[(PROMPTS[0], ""), (PROMPTS[1], "")], [(PROMPTS[2], ""), (PROMPTS[3], "")]]
     kw = dict(prompt=lambda q: q, reward=lambda texts, _: [len(t) / 10 for t in texts], samples=4,
               temperature=1.0, max_tokens=8, group=mesh.get_group(), micro_batch_tokens=256,
@@ -75,37 +75,40 @@ def stale_errs(llm, base, mesh, lo, hi):
     """main's first checks again, with the weight sync broken (stale_sync): a fresh teacher and
     student on the engine (none of before left in it, so none is evicted and reloaded), synced,
     compared and updated 3 times; the errors after each sync"""
+    import lora
     import rloo
     global SYNC
     for lora_id in list(llm.vllm.llm_engine.list_loras()):
         llm.vllm.llm_engine.remove_lora(lora_id)
-    SYNC, rloo.sync_adapter = rloo.sync_adapter, stale_sync
+    SYNC, lora.sync_weights = lora.sync_weights, stale_sync
     prompts, comps, rewards = fixed_batch()
     adv = rloo.rloo_advantages(rewards).flatten().tolist()
-    teacher = rloo.load_policy(base, mesh, seed=1, **OPTS)
-    student = rloo.load_policy(base, mesh, seed=2, base=teacher.model, **OPTS)
+    teacher = lora.load_policy(base, mesh, seed=1, **OPTS)
+    student = lora.load_policy(base, mesh, seed=2, base=lora.base_of(teacher), **OPTS)
     errs = []
     for it in range(3):
         for policy in (teacher, student):
             rloo.sync_weights(policy, llm)
-        errs.append(engine_vs_trainer(llm, [(teacher, teacher.served),
-                                            (student, student.served)], seed=it))
+        errs.append(engine_vs_trainer(llm, [(teacher, teacher.model.served),
+                                            (student, student.model.served)], seed=it))
         for policy in (teacher, student):
             rloo.train_step(policy, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
                             loss=rloo.rloo_loss, temperature=1.0, micro_batch_tokens=24)
-    rloo.sync_adapter = SYNC
+    lora.sync_weights = SYNC
     return errs
 
 
 def stale_sync(policy, llm):
     """the broken sync: the policy's new weights rewritten into its first folder and added under
     its first id, which the engine already holds"""
-    import rloo
-    if policy.served is None:
+    import lora
+    served = policy.model.served
+    if served is None:
         return SYNC(policy, llm)
-    rloo.write_adapter(policy, policy.served.lora_path, llm.vllm.llm_engine.model_config.dtype)
-    llm.vllm.llm_engine.add_lora(policy.served)
-    llm.adapter = policy.served
+    lora.write_adapter(policy, served.lora_path, llm.vllm.llm_engine.model_config.dtype)
+    llm.vllm.llm_engine.add_lora(served)
+    llm.adapter = served
+    return served
 
 
 def full_folder_then_adapter(llm, policy, folder, out, mesh):
@@ -114,6 +117,7 @@ def full_folder_then_adapter(llm, policy, folder, out, mesh):
     (a LoRA fresh student after a full one). Each adapter must be served on its base, not on what
     the engine held last."""
     import torch.distributed as dist
+    import lora
     import rloo
     from rloo_dist_worker import make_tiny_model
     other = os.path.join(out, "other")
@@ -123,11 +127,11 @@ def full_folder_then_adapter(llm, policy, folder, out, mesh):
     full = rloo.load_policy(other, mesh, lr=0.0, warmup_steps=0, total_steps=1, kl_coef=0.0)
     rloo.serve_hf(llm, other)
     res = {"full_served": engine_vs_trainer(llm, [(full, None)], seed=13)}
-    res["after_full_served"] = engine_vs_trainer(llm, [(policy, rloo.serve_adapter(llm, folder))],
+    res["after_full_served"] = engine_vs_trainer(llm, [(policy, lora.serve_adapter(llm, folder))],
                                                  seed=14)
     rloo.sync_weights(full, llm)
     rloo.sync_weights(policy, llm)
-    res["after_full_synced"] = engine_vs_trainer(llm, [(policy, policy.served)], seed=15)
+    res["after_full_synced"] = engine_vs_trainer(llm, [(policy, policy.model.served)], seed=15)
     return res
 
 
@@ -135,28 +139,27 @@ def main(out, base, mode=""):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoTokenizer
+    import lora
     import rloo
     rank, world, _ = rloo.init_distributed()
     mesh = init_device_mesh("cpu", (world,))
     # processed: the sampled tokens' log-probs at the sampling temperature, as the trainer's
-    llm = rloo.build_engine(base, max_model_len=256, lora_rank=RANK, max_loras=3,
+    llm = rloo.build_engine(base, max_model_len=256, **lora.engine_args(RANK, 3),
                             logprobs_mode="processed_logprobs")
-    teacher = rloo.load_policy(base, mesh, seed=1, **OPTS)
-    student = rloo.load_policy(base, mesh, seed=2, base=teacher.model, **OPTS)
-    res = dict(world=world, adapter_names=sorted(teacher.adapter),
-               base_frozen=not any(p.requires_grad for p in teacher.model.parameters()),
+    teacher = lora.load_policy(base, mesh, seed=1, **OPTS)
+    student = lora.load_policy(base, mesh, seed=2, base=lora.base_of(teacher), **OPTS)
+    res = dict(world=world, adapter_names=sorted(teacher.model.adapter),
+               base_frozen=not any(p.requires_grad for p in lora.base_of(teacher).parameters()),
                optimized=sum(len(g["params"]) for g in teacher.optimizer.param_groups),
-               shared_base=student.model is teacher.model)
+               shared_base=lora.base_of(student) is lora.base_of(teacher))
     prompts, comps, rewards = fixed_batch()
     adv = rloo.rloo_advantages(rewards).flatten().tolist()
     lo, hi = rloo.chunk(len(prompts), rank, world)
 
     # a fresh adapter (B = 0) is the base exactly
     with torch.no_grad():
-        rloo.set_adapter(teacher.model, teacher)
         with_adapter = rloo.token_logprobs(teacher.model, prompts, comps)[0]
-        rloo.set_adapter(teacher.model, None)
-        without = rloo.token_logprobs(teacher.model, prompts, comps)[0]
+        without = rloo.token_logprobs(teacher.ref, prompts, comps)[0]   # the base alone
     res["fresh_is_base"] = torch.equal(with_adapter, without)
 
     # after each of several updates, the engine serves both adapters as the trainer holds them
@@ -166,8 +169,8 @@ def main(out, base, mode=""):
     for it in range(3):
         for policy in (teacher, student):
             rloo.sync_weights(policy, llm)
-        res["errs"].append(engine_vs_trainer(llm, [(teacher, teacher.served),
-                                                   (student, student.served)], seed=it))
+        res["errs"].append(engine_vs_trainer(llm, [(teacher, teacher.model.served),
+                                                   (student, student.model.served)], seed=it))
         for policy in (teacher, student):
             res["steps"].append(rloo.train_step(policy, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
                                                 loss=rloo.rloo_loss, temperature=1.0,
@@ -179,7 +182,7 @@ def main(out, base, mode=""):
     # a promotion's restart: the student back to theta, synced
     rloo.restore(student, theta)
     rloo.sync_weights(student, llm)
-    res["errs"].append(engine_vs_trainer(llm, [(student, student.served)], seed=10))
+    res["errs"].append(engine_vs_trainer(llm, [(student, student.model.served)], seed=10))
 
     # a resume: the teacher's checkpoint in a fresh policy on the same base, then the same update
     ckpt = os.path.join(out, "ckpt")
@@ -187,7 +190,7 @@ def main(out, base, mode=""):
     res["ckpt_files"] = sorted(os.listdir(ckpt))
     step = rloo.train_step(teacher, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
                            loss=rloo.rloo_loss, temperature=1.0)
-    resumed = rloo.load_policy(base, mesh, seed=3, base=teacher.model, **OPTS)
+    resumed = lora.load_policy(base, mesh, seed=3, base=lora.base_of(teacher), **OPTS)
     rloo.load_state(resumed, ckpt)
     step_b = rloo.train_step(resumed, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
                              loss=rloo.rloo_loss, temperature=1.0)
@@ -195,14 +198,13 @@ def main(out, base, mode=""):
     res["resume_equal"] = step == step_b and all(torch.equal(v, after[k])
                                                  for k, v in rloo.snapshot(resumed).items())
     rloo.sync_weights(resumed, llm)
-    res["errs"].append(engine_vs_trainer(llm, [(resumed, resumed.served)], seed=11))
+    res["errs"].append(engine_vs_trainer(llm, [(resumed, resumed.model.served)], seed=11))
 
     # the final write: a PEFT folder, served again from there, and what PEFT must reproduce
     folder = os.path.join(out, "teacher")
     rloo.save_hf(resumed, folder, AutoTokenizer.from_pretrained(base), extra={"soar.json": {}})
-    request = rloo.serve_adapter(llm, folder)
+    request = lora.serve_adapter(llm, folder)
     res["errs"].append(engine_vs_trainer(llm, [(resumed, request)], seed=12))
-    rloo.set_adapter(resumed.model, resumed)
     with torch.no_grad():
         res["saved_logprobs"] = rloo.token_logprobs(resumed.model, prompts, comps)[0]
     res.update(full_folder_then_adapter(llm, resumed, folder, out, mesh))

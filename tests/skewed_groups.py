@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import launch  # noqa: E402
 import soar  # noqa: E402
+import world  # noqa: E402
 
 MODE = os.environ.get("SKEW")
 ACCURACIES = soar.accuracies
@@ -43,4 +44,4 @@ def recorded_decide(history, R, window, tau):
 if __name__ == "__main__":   # (data.grade's workers import this file again)
     soar.accuracies = skewed_accuracies
     soar.decide = recorded_decide
-    launch.main("soar.py", lambda: soar.main(soar.parse_args()))
+    launch.main("soar.py", lambda: soar.main(world.resolve(soar.parse_args())))

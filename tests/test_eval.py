@@ -216,6 +216,22 @@ def test_serl_keeps_the_questions_whose_majority_share_is_in_the_bounds():
     assert [(q["question"], q["answer"]) for q in kept] == [("a", "3"), ("c", "1")]
 
 
+def test_serl_returns_carry_the_kl_penalty_of_later_tokens_and_are_whitened(monkeypatch):
+    """SeRL's per-token return (OpenRLHF's, gamma 1): the rollout's RLOO value less kl_coef times
+    the KL of this token and every later one; then whitened over the batch's tokens"""
+    returns = ev.kl_returns(1.0, [-1.0, -2.0, -3.0], [-1.5, -2.0, -2.0], kl_coef=0.1)
+    # KL per token: 0.5, 0, -1; penalties -0.05, 0, +0.1
+    assert returns == pytest.approx([1.0 - 0.05 + 0.1, 1.0 + 0.1, 1.0 + 0.1])
+    rows = [[1.0, 2.0], [3.0], [4.0, 5.0, 6.0]]
+    flat = [x for r in rows for x in r]
+    mean = sum(flat) / len(flat)
+    std = (sum((x - mean) ** 2 for x in flat) / len(flat)) ** 0.5
+    monkeypatch.setattr(ev.dist, "all_reduce", lambda t, group=None: None)   # one rank
+    white = ev.whiten(rows, None, "cpu")
+    assert [len(r) for r in white] == [2, 1, 3]
+    assert [x for r in white for x in r] == pytest.approx([(x - mean) / std for x in flat])
+
+
 def test_serl_writing_prompts_hold_seed_and_own_examples():
     """SeRL's few-shot prompts (its --serl_shots 8): 2 of its own kept questions once it has them,
     the rest from the seed set; with --serl_shots 0 (the world's), SOAR's teacher prompt"""
@@ -404,6 +420,8 @@ def test_parse_args_world_defaults_and_paper_settings(tmp_path):
     # SeRL's own settings (its Llama-3.2-3B RLOO script)
     assert (paper.serl_shots, paper.serl_samples, paper.serl_low, paper.serl_high,
             paper.serl_lr, paper.serl_similarity) == (8, 16, 0.2, 0.8, 5e-7, 0.7)
+    assert (paper.serl_kl, paper.serl_train_batch, paper.serl_clip, paper.serl_max_tokens,
+            paper.serl_prompts, paper.serl_questions) == (1e-4, 16, 0.2, 1024, 4, 16)
     cmd, _, cfg = ev.parse_args(["train", "--synthetic", "q.jsonl", "--name", "mine"])
     assert (cmd, cfg.synthetic, cfg.name) == ("train", "q.jsonl", "mine")
     for bad in (["row", "nonsense"], ["row"], ["row", "pq", "--mode", "random"],
@@ -600,8 +618,10 @@ def test_rows_end_to_end(rows_run, small_world):
 
 def test_serl_row(rows_run):
     """SeRL on the small world: each step the student writes questions (teacher prompt and format
-    filter: the world's value of --serl_shots), keeps them by quality, diversity and its majority
-    vote's share, and trains on them with its labels beside the hard split's questions"""
+    filter: the world's value of --serl_shots) in rounds until it keeps --serl_questions or has
+    run --serl_rounds, keeps them by quality, diversity and its majority vote's share, and trains
+    on them with its labels beside the hard split's questions: one PPO update per
+    --serl_train_batch rollouts"""
     _, runs, _ = rows_run
     d = runs / "serl" / "seed0"
     res, metrics = json.loads((d / "result.json").read_text()), rows(d / "metrics.jsonl")
@@ -614,6 +634,10 @@ def test_serl_row(rows_run):
         assert n["written"] >= n["quality"] >= n["diverse"] >= n["difficulty"] >= \
             len(m["generated"]) and len(m["generated"]) <= world["serl_questions"]
         assert len(m["nontrivial"]) == 2 + len(m["generated"])   # --student_questions 2 + these
+        assert 1 <= n["rounds"] <= world["serl_rounds"]
+        assert n["rounds"] == world["serl_rounds"] or n["difficulty"] >= world["serl_questions"]
+        rollouts = len(m["nontrivial"]) * world["serl_samples"]
+        assert m["updates"] == -(-rollouts // world["serl_train_batch"]) and m["kl"] == 0
         assert m["tokens/generated/self_instruct"] > 0   # its writing and votes: a phase of its own
     assert all(0.2 <= q["share"] <= 0.8 and q["answer"] for q in generated)
     assert len({q["question"] for q in generated}) == len(generated)   # the diversity filter

@@ -1,5 +1,5 @@
 """
-LoRA in rloo.py on real parts: adapters on one frozen base, the vLLM CPU engine serving them, two
+LoRA (lora.py) on real parts: adapters on one frozen base, the vLLM CPU engine serving them, two
 ranks under torchrun (gloo). The worker (tests/lora_worker.py) runs as a plain 1-rank process (then
 once more with its weight sync broken on purpose) and under `torchrun --nproc_per_node 2`; the tests
 assert on what they wrote. peft (a test dependency) proves that our adapter folders are PEFT's.
@@ -7,13 +7,13 @@ assert on what they wrote. peft (a test dependency) proves that our adapter fold
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
+import lora  # noqa: E402
 import rloo  # noqa: E402
 from lora_worker import LR, RANK  # noqa: E402
 from rloo_dist_worker import fixed_batch, make_tiny_model  # noqa: E402
@@ -72,7 +72,7 @@ def test_students_in_one_call_equal_students_in_turn(runs):
 def test_an_adapter_is_served_on_its_base_after_full_weights(runs):
     """a full HF folder served straight into the engine is served exactly (eval.py's inference
     rows); an adapter served or synced after full weights of another model gets its base back
-    (5.99 nats off before rloo.serve_adapter put the base back)"""
+    (5.99 nats off before lora.serve_adapter put the base back)"""
     for res in [runs["one"], *runs["two"]]:
         assert max(res["full_served"]) < EXACT, res["full_served"]
         assert max(res["after_full_served"]) < EXACT, res["after_full_served"]
@@ -127,16 +127,14 @@ def test_peft_loads_our_adapter_folder(runs):
 
 
 def test_one_engine_call_holds_several_policies_only_as_adapters():
-    """rloo.adapters_of: each request names its policy's adapter; one policy needs none (the
-    engine serves what was synced last); several full fine-tuned policies cannot share a call"""
-    a = SimpleNamespace(adapter={}, served="a")
-    b = SimpleNamespace(adapter={}, served="b")
-    assert rloo.adapters_of([a, b], [2, 1]) == ["a", "a", "b"]
-    assert rloo.adapters_of([a], [3]) is None
-    full = SimpleNamespace(adapter=None, served=None)
-    assert rloo.adapters_of([full], [3]) is None
+    """rloo.requests_of: each request names its policy's adapter (what its sync returned); one
+    policy needs none (the engine serves what was synced last); several full fine-tuned policies
+    (synced as the engine's weights, None) cannot share a call"""
+    assert rloo.requests_of(["a", "b"], [2, 1]) == ["a", "a", "b"]
+    assert rloo.requests_of(["a"], [3]) is None
+    assert rloo.requests_of([None], [3]) is None
     with pytest.raises(ValueError, match="LoRA"):
-        rloo.adapters_of([a, full], [1, 1])
+        rloo.requests_of(["a", None], [1, 1])
 
 
 def bench():
@@ -163,7 +161,7 @@ def test_the_memory_table_counts_adapters_from_the_config():
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_base_is_in_eval_mode_and_still_recomputes(tmp_path, checkpointing):
-    """rloo._load_base on a config with attention dropout: without an adapter the base (the KL
+    """lora.load_base on a config with attention dropout: without an adapter the base (the KL
     reference) gives the same log-probs every time, and with activation checkpointing each decoder
     layer still runs again in backward (HF recomputes only in a training layer), same gradients"""
     path = str(tmp_path / "base")
@@ -174,33 +172,33 @@ def test_the_base_is_in_eval_mode_and_still_recomputes(tmp_path, checkpointing):
     prompts, comps, _ = fixed_batch()
     grads = {}
     for ckpt in (False, checkpointing):
-        model = rloo._load_base(path, torch.device("cpu"), ckpt)
+        model = lora.load_base(path, torch.device("cpu"), ckpt)
+        reference = lora.AdapterModel(model, None, 16.0, path)
         with torch.no_grad():
-            ref = [rloo.token_logprobs(model, prompts, comps)[0] for _ in range(2)]
+            ref = [rloo.token_logprobs(reference, prompts, comps)[0] for _ in range(2)]
         assert torch.equal(*ref)   # no dropout: the same reference twice
-        policy = SimpleNamespace(adapter=rloo.new_adapter(model, RANK, 0), lora_alpha=16.0)
+        policy = lora.AdapterModel(model, lora.new_adapter(model, RANK, 0), 16.0, path)
         with torch.no_grad():
             B = policy.adapter["model.layers.0.mlp.up_proj.lora_B"]
             B.normal_(generator=torch.Generator().manual_seed(0))   # B != 0: gradients to A too
-        rloo.set_adapter(model, policy)
         calls = []
         model.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
-        rloo.token_logprobs(model, prompts, comps)[0].sum().backward()
+        rloo.token_logprobs(policy, prompts, comps)[0].sum().backward()
         # shared prompts: two passes (prompts, completions), each run again in backward if ckpt
         assert len(calls) == (4 if ckpt else 2)
-        grads[ckpt] = {k: p.grad for k, p in policy.adapter.items()}
+        grads[ckpt] = {k: p.grad for k, p in policy.named_parameters()}
     for k, g in grads[False].items():
         torch.testing.assert_close(grads[checkpointing][k], g)
 
 
 def test_adapters_go_to_shm_only_where_they_fit(tmp_path):
-    """rloo.adapter_root: the RAM-backed folder when it has room for the adapters, else the
+    """lora.adapter_root: the RAM-backed folder when it has room for the adapters, else the
     temporary folder (a container's 64 MB /dev/shm holds no rank-32 3B adapter, 97 MB in bf16)"""
     import shutil
     from transformers import LlamaConfig
     free = shutil.disk_usage(tmp_path).free
-    assert rloo.adapter_root(free // 2, shm=str(tmp_path)) == str(tmp_path)
-    assert rloo.adapter_root(free * 2, shm=str(tmp_path)) is None
-    assert rloo.adapter_root(1, shm=str(tmp_path / "none")) is None
-    _, a = rloo.parameter_counts(LlamaConfig(**bench().SHAPES["llama3b"]), 32)
+    assert lora.adapter_root(free // 2, shm=str(tmp_path)) == str(tmp_path)
+    assert lora.adapter_root(free * 2, shm=str(tmp_path)) is None
+    assert lora.adapter_root(1, shm=str(tmp_path / "none")) is None
+    a = lora.adapter_parameters(LlamaConfig(**bench().SHAPES["llama3b"]), 32)
     assert 2 * a / 1e6 == pytest.approx(97.2, abs=0.1)   # MB in bf16

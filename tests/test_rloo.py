@@ -65,6 +65,22 @@ def test_rloo_advantages_by_hand():
     assert rloo.rloo_advantages(torch.rand(5, 7)).sum(-1).abs().max() < 1e-6   # sums to zero
 
 
+def test_ppo_clip_stops_the_gradient_once_the_ratio_leaves_the_band():
+    """rloo.ppo_loss (SeRL's updates): per token -min(r A, clip(r, 0.8, 1.2) A). Inside the band
+    the gradient is -A r; outside it, in A's direction (r > 1.2 with A > 0, r < 0.8 with A < 0),
+    none; against A's direction the unclipped term stays (min takes it)"""
+    old = torch.zeros(1, 6)
+    ratio = torch.tensor([[1.0, 1.1, 1.5, 0.5, 1.5, 0.5]])
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, -1.0, 1.0]])
+    logp = ratio.log().requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0, 0.0]])   # the last: padding
+    total, pg, kl = rloo.ppo_loss(logp, None, adv, mask, 0.0, old_logp=old)
+    total.backward()
+    assert kl == 0 and pg.item() == pytest.approx(-1.0 + 1.1 - 1.2 + 0.8 + 1.5)
+    # d(-A r)/d logp = -A r: tokens 0, 1 inside; 2 and 3 clipped in A's direction; 4 against it
+    assert logp.grad.tolist()[0] == pytest.approx([-1.0, 1.1, 0.0, 0.0, 1.5, 0.0])
+
+
 def test_readable_units():
     assert [launch.readable(n) for n in (6.1e5, 1.2e8, 3.2125e9)] == ["0.61 M", "120 M", "3.21 B"]
     assert launch.readable(7.3e6, ((1e9, "GB"), (1e6, "MB"))) == "7.3 MB"

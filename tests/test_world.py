@@ -1,7 +1,7 @@
 """The built-in world (world.py): the problem generator's answers, the reader of teacher questions,
-and a fresh small build measured with the real engine, so that a regression in the formats (prompts,
-chat template, parser, grader) shows up as a rate falling below its bar; and the build is the same
-world whatever the caller's threads."""
+and the small world that ships measured with the real engine, so that a regression in the formats
+(prompts, chat template, parser, grader) shows up as a rate falling below its bar; and its rebuild
+is the same world whatever the caller's threads."""
 import json
 import os
 import random
@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import data
+import launch
 import world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,8 +86,8 @@ def test_unfinished_folder_is_not_a_world(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_world():
-    """the small world in its cache (.cache/), the one the end-to-end tests use: built afresh on a
-    clean checkout (CI), and again below in another process with other threads"""
+    """the small world that ships (worlds/small), the one the end-to-end tests use, checked against
+    world.py's recipe; built again below in another process with other threads"""
     return world.build_world(small=True)
 
 
@@ -132,19 +133,39 @@ def test_small_world_is_reused(small_world):
     assert again == small_world and os.path.getmtime(again["stats"]) == mtime
 
 
-def test_same_world_whatever_the_threads(small_world, tmp_path):
-    """A fresh process with other thread settings (OMP_NUM_THREADS=2, where the fixture's ran with
-    the caller's) builds the same world: same hard set (fingerprint), same filter counts."""
-    out = tmp_path / "again"
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
-    env.pop("ATEN_CPU_CAPABILITY", None)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "world.py"), "--small", "--out",
-                        str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+def test_the_world_ships_again_the_same_whatever_the_threads(small_world, tmp_path):
+    """`world.py --ship --small` (on a copy of worlds/) in a process with other thread settings
+    (OMP_NUM_THREADS=2) rebuilds the world that ships: same hard set (fingerprint), same filter
+    counts, and says so. On a host whose CPU builds another world (docs/world.md), it must say
+    that, and build what this host builds with the caller's threads."""
+    import shutil
+    shutil.copytree(os.path.dirname(small_world["stats"]), tmp_path / "worlds" / "small")
+
+    def build(**env):
+        env = {**os.environ, **env}
+        env.pop("ATEN_CPU_CAPABILITY", None)
+        code = f"import world; world.SHIPPED = {str(tmp_path / 'worlds')!r}; world.ship(True)"
+        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=900)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        with open(tmp_path / "worlds" / "small" / "stats.json") as f:
+            stats = json.load(f)
+        assert f"rebuilt, fingerprint {stats['fingerprint']}" in p.stdout
+        return (stats["fingerprint"], stats["candidate_correct_counts"]), p.stdout
     with open(small_world["stats"]) as f:
-        a = json.load(f)
-    with open(out / "stats.json") as f:
-        b = json.load(f)
-    assert a["fingerprint"] in p.stdout
-    assert (a["fingerprint"], a["candidate_correct_counts"]) == \
-        (b["fingerprint"], b["candidate_correct_counts"])
+        shipped = json.load(f)
+    threads, said = build(OMP_NUM_THREADS="2", MKL_NUM_THREADS="2")
+    if threads == (shipped["fingerprint"], shipped["candidate_correct_counts"]):
+        assert "the same hard set as what shipped before" in said
+    else:
+        assert "another hard set than what shipped before" in said
+        assert threads == build()[0]   # this host's own world, whatever the threads
+
+
+def test_a_changed_recipe_is_refused_until_the_worlds_ship_again(monkeypatch):
+    """the worlds that ship are checked against world.py's recipe: after a change to it, a run
+    stops in one line that names the command rebuilding them"""
+    monkeypatch.setattr(world, "VERSION", world.VERSION + 1)
+    with pytest.raises(launch.UsageError, match=r"rebuild it with `python world\.py --ship "
+                                                r"--small`$"):
+        world.build_world(small=True)
