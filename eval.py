@@ -114,7 +114,7 @@ class Config:
     serl_questions: int = launch.flag(16, world=4,
         help="kept written questions per step, at most; they join the step's hard train ones",
         least=0)
-    serl_lr: float = launch.flag(5e-7, world=3e-4,
+    serl_lr: float = launch.flag(5e-7, world=1e-4,
         help="the SeRL row's student lr (world: chosen on the train half, docs/results.md)")
     serl_kl: float = launch.flag(1e-4,
         "KL to the base model, as a per-token penalty in SeRL's reward (not in its loss)")

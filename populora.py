@@ -59,6 +59,9 @@ class Config:
     single_agent: bool = launch.flag(False,
         "the baseline: one adapter writes and solves its own problems, one update a round as a "
         "member takes: a student's (--student_lr) in even rounds, a teacher's in odd (needs 1 + 1)")
+    single_agent_update: str = launch.flag("alternate", "--single_agent's update: alternate (as "
+        "above: a member's updates, each on one role's samples) or joint (Absolute Zero's: one "
+        "update a round on both roles' samples, at --student_lr)", choices=("alternate", "joint"))
     rounds: int = launch.flag(40, "rounds of play", least=1)
     proposals: int = launch.flag(8, "problems a teacher writes a round (its RLOO group)", least=2)
     student_samples: int = launch.flag(32, world=8,
@@ -389,7 +392,7 @@ def trained_roles(cfg: Config, rnd: int) -> set[str]:
     update a round. --single_agent, matched per adapter (METHOD.md "PopuLoRA", the baseline): its
     one adapter takes one update a round too, as a student in even rounds and as a teacher in odd,
     each on samples it drew this round, before the update."""
-    if not cfg.single_agent:
+    if not cfg.single_agent or cfg.single_agent_update == "joint":
         return {"teachers", "students"}
     return {"students"} if rnd % 2 == 0 else {"teachers"}
 
@@ -468,7 +471,7 @@ def solve_and_learn(cfg: Config, run, rnd: int, pairs: list[int], proposals: lis
             rows = [(s, adv[w, c].item()) for w, o in enumerate(outs) for c, s in enumerate(o)
                     if policies[w] is policy and keep[w]]
             if rows:   # (the same on every rank) a student without a valid problem sits out
-                train(cfg, policy, rloo.my_share(rows), cfg.student_lr)
+                train(cfg, run, policy, rloo.my_share(rows), cfg.student_lr)
     solves = [[] for _ in proposals]
     for (i, _, _), rate, ok in zip(work, rates, keep):
         solves[i].append(rate if ok else None)
@@ -512,13 +515,21 @@ def teach(cfg: Config, run, proposals: list[list], formatted: list[list], solves
                        for (_, v), f in zip(proposals[i], formatted[i])]
             adv = rloo.rloo_advantages(torch.tensor(rewards, dtype=torch.float64)).tolist()
             rows = rloo.my_share([(s, a) for (s, _), a in zip(proposals[i], adv)])
-            stats.append(train(cfg, teacher, rows, cfg.teacher_lr))
+            stats.append(train(cfg, run, teacher, rows, cfg.teacher_lr))
+    if run.pending:   # --single_agent_update joint: both roles' rows, one update
+        rows, run.pending = run.pending, []
+        stats = [train(cfg, run, run.teachers[0], rows, cfg.student_lr, joint=True)]
     return stats or [None] * len(run.teachers)
 
 
-def train(cfg: Config, policy: rloo.Policy, rows: list, lr: float) -> dict:
+def train(cfg: Config, run, policy: rloo.Policy, rows: list, lr: float,
+          joint: bool = False) -> dict | None:
     """one rloo.train_step on this rank's (Sample, advantage) rows at the role's learning rate `lr`
-    (the single agent's one adapter alternates roles, so its lr follows the role)"""
+    (the single agent's one adapter alternates roles, so its lr follows the role). The joint
+    single agent's rows of each role wait in run.pending for its one update on both (teach)."""
+    if cfg.single_agent and cfg.single_agent_update == "joint" and not joint:
+        run.pending += rows
+        return None
     for group in policy.optimizer.param_groups:
         group["lr"] = lr
     policy.scheduler.base_lrs = [lr] * len(policy.optimizer.param_groups)   # constant schedule
@@ -573,6 +584,7 @@ class Run:
     students: list         # --single_agent: the teacher itself
     checker: object        # the built-in world's verifier (world.describe); None with --model
     state: dict            # round, ratings: what a checkpoint holds besides the adapters
+    pending: list = dataclasses.field(default_factory=list)   # the joint single agent's rows
 
 
 def setup(cfg: Config, checker) -> Run | None:

@@ -418,57 +418,6 @@ def sample_until(llm, prompt, *, need: int, parse, round_seeds: list[int], max_t
                        f"({len(round_seeds)} rounds)")
 
 
-def sample_turns(llm, prompt, k: int, *, answer_prompt: list[int], stop: str, turn_end,
-                 max_tokens: int, temperature: float, seed: int,
-                 group=None) -> tuple[list[tuple], list[str]]:
-    """k two-turn samples (METHOD.md "Two-turn teacher"): turn 1 from `prompt`, ended at the first
-    token where turn_end(text) (an index, or None while the turn is open) says it has ended (the
-    engine stops at the string `stop`; turn_end may end it sooner), turn 2 from prompt + turn 1 +
-    answer_prompt (token ids) with what turn 1 left of max_tokens; request i of turn 1 has seed + i,
-    of turn 2 seed + k + i. Returns each sample's turns, (turn 1, turn 2), and its text: turns 1
-    and 2 with answer_prompt between, as decoded by the engine's tokenizer; a turn 1 that did not
-    end has no turn 2 and the text ""."""
-    decode = llm.vllm.get_tokenizer().decode
-    firsts = [_end_turn(o[0], turn_end, decode)
-              for o in generate(llm, [prompt] * k, temperature=temperature,
-                                max_tokens=max_tokens, seed=seed, stop=stop, group=group)]
-    closed = [i for i, s in enumerate(firsts)
-              if turn_end(s.text) is not None and len(s.token_ids) < max_tokens]
-    seconds = generate(llm, [list(prompt) + firsts[i].token_ids + answer_prompt for i in closed],
-                       temperature=temperature,
-                       max_tokens=[max_tokens - len(firsts[i].token_ids) for i in closed],
-                       seed=seed + k, group=group)
-    samples = [(s,) for s in firsts]
-    texts = [""] * k
-    for i, out in zip(closed, seconds):
-        samples[i] = (firsts[i], out[0])
-        texts[i] = decode(firsts[i].token_ids + answer_prompt) + out[0].text
-    return samples, texts
-
-
-def _end_turn(sample: Sample, turn_end, decode) -> Sample:
-    """sample cut after its first token whose text so far has ended (turn_end), as the engine cuts
-    at a stop string: the shorter turn is as exact a sample; as it is where that is its end"""
-    end = turn_end(sample.text)
-    if end is None or end == len(sample.text):
-        return sample
-    ids = sample.token_ids
-    lo, hi = 1, len(ids)   # the fewest tokens whose text has ended
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if turn_end(decode(ids[:mid])) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    logprobs = sample.logprobs[:lo] if sample.logprobs is not None else None
-    return Sample(decode(ids[:lo]), ids[:lo], sample.prompt_token_ids, logprobs)
-
-
-def turns(sample) -> tuple:
-    """the Samples of what sample_until kept: the one, or a two-turn sample's two"""
-    return sample if isinstance(sample, tuple) else (sample,)
-
-
 def count_correct(llm, problems: list[dict], *, prompt, correct, n: int, max_tokens: int,
                   seed: int, temperature: float = 1.0, group=None, chunk_prompts: int = 0,
                   adapters: list | None = None) -> list[int]:
@@ -560,41 +509,6 @@ def _reload_engine(llm, weights, base_replaced: bool) -> None:
     llm.vllm.reset_prefix_cache()
     llm.adapter = None   # requests are served by these weights
     llm.base_replaced = base_replaced
-
-
-def serve_hf(llm, path: str) -> None:
-    """The full weights of the HF folder `path` (or hub name) into this rank's engine, streamed
-    from its safetensors files one tensor at a time (no trainer, no optimizer: an inference row of
-    eval.py); requests are served by them from then on. The folder must hold the engine's
-    architecture (a fine-tune of the model it was built from). A tied head is sent as the
-    embedding: vLLM's reload_weights(weights_path=...) skips it and keeps the old head's logits
-    (5.3 nats off in our tests). vLLM's reload also drops every adapter it holds
-    (lora.serve_adapter loads them again)."""
-    # the engine's own base (built from this name or folder): adapters can be served on it
-    base = path == llm.base_path or os.path.realpath(path) == os.path.realpath(llm.base_path)
-    if not os.path.isdir(path):   # a hub name: its files, downloaded once (as vLLM does)
-        from transformers.utils.hub import snapshot_download   # (huggingface_hub's)
-        path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"{path}: no *.safetensors weights to serve")
-    dtype = llm.vllm.llm_engine.model_config.dtype
-
-    def weights():
-        embedding = None
-        head = False
-        for file in files:
-            with safe_open(file, "pt") as f:
-                for name in f.keys():
-                    t = f.get_tensor(name).to(dtype)
-                    head |= name == "lm_head.weight"
-                    if name == "model.embed_tokens.weight":
-                        embedding = t
-                    yield name, t
-        if not head and embedding is not None:
-            yield "lm_head.weight", embedding
-
-    _reload_engine(llm, weights(), base_replaced=not base)
 
 
 # -----------------------------------------------------------------------------
@@ -699,12 +613,6 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - (rewards.sum(-1, keepdim=True) - rewards) / (g - 1)
 
 
-def sept_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """SePT (METHOD.md "SePT"): advantage 1 for every sample whatever its reward, so rloo_loss
-    without KL is the NLL of the samples themselves."""
-    return torch.ones_like(rewards)
-
-
 def rloo_loss(logp, ref_logp, adv, mask, kl_coef: float):
     """The loss of both the teacher and the students (METHOD.md "RLOO loss"), per completion token t
     of rollout i (mask: 1 on the positions that predict a completion token):
@@ -716,17 +624,6 @@ def rloo_loss(logp, ref_logp, adv, mask, kl_coef: float):
     kl = torch.exp(d) - d - 1
     return (((pg + kl_coef * kl) * mask).sum(), (pg.detach() * mask).sum(),
             (kl.detach() * mask).sum())
-
-
-def ppo_loss(logp, ref_logp, adv, mask, kl_coef: float, old_logp, clip: float = 0.2):
-    """PPO's clipped loss, as SeRL trains (METHOD.md "SeRL"), per completion token t, against the
-    log-probs before this round of updates (old_logp; train_step's old_logprobs):
-        pg = -min(r A, clip(r, 1 - clip, 1 + clip) A),   r = exp(logp - old_logp)
-    so a token whose ratio has left [1 - clip, 1 + clip] in A's direction gets no gradient. The KL
-    is in SeRL's advantages, not here. Returns rloo_loss's three sums (kl: 0)."""
-    ratio = torch.exp(logp - old_logp)
-    pg = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
-    return (pg * mask).sum(), (pg.detach() * mask).sum(), torch.zeros((), device=logp.device)
 
 
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -827,23 +724,6 @@ def reference_logprobs(policy: Policy, prompts, completions, temperature: float)
                           policy.shared_prompts)[0]
     reshard(policy.ref)   # else its root (embeddings, head) stays gathered (0.7 GiB)
     return logp
-
-
-@torch.no_grad()
-def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
-                      temperature: float, dev, shared: bool, micro_batch_tokens: int,
-                      group) -> list[list[float]]:
-    """token_logprobs of each of this rank's rows, a list per row, with no gradient, in
-    micro-batches (every rank of the group that shards `model` calls it, as many passes on each)"""
-    out = [None] * len(prompt_ids)
-    for rows in _passes([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
-                        micro_batch_tokens, group, dev):
-        batch = ([prompt_ids[i] for i in rows] or [[0]], [completion_ids[i] for i in rows] or [[]])
-        logp, _ = token_logprobs(model, *batch, temperature, dev, shared)
-        for b, i in enumerate(rows):
-            out[i] = logp[b, :len(completion_ids[i])].tolist()
-    reshard(model)
-    return out
 
 
 def _average_whole_gradients(params: list, group) -> None:
@@ -1192,3 +1072,127 @@ def write_folder(path: str, version: int, write_weights, tokenizer=None,
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
+
+
+# -----------------------------------------------------------------------------
+# beyond one policy's RLOO step: the two-turn teacher's sampling (soar.py), HF folders served
+# as they are (eval.py's inference rows), SePT's advantages and SeRL's PPO updates (eval.py)
+
+def sample_turns(llm, prompt, k: int, *, answer_prompt: list[int], stop: str, turn_end,
+                 max_tokens: int, temperature: float, seed: int,
+                 group=None) -> tuple[list[tuple], list[str]]:
+    """k two-turn samples (METHOD.md "Two-turn teacher"): turn 1 from `prompt`, ended at the first
+    token where turn_end(text) (an index, or None while the turn is open) says it has ended (the
+    engine stops at the string `stop`; turn_end may end it sooner), turn 2 from prompt + turn 1 +
+    answer_prompt (token ids) with what turn 1 left of max_tokens; request i of turn 1 has seed + i,
+    of turn 2 seed + k + i. Returns each sample's turns, (turn 1, turn 2), and its text: turns 1
+    and 2 with answer_prompt between, as decoded by the engine's tokenizer; a turn 1 that did not
+    end has no turn 2 and the text ""."""
+    decode = llm.vllm.get_tokenizer().decode
+    firsts = [_end_turn(o[0], turn_end, decode)
+              for o in generate(llm, [prompt] * k, temperature=temperature,
+                                max_tokens=max_tokens, seed=seed, stop=stop, group=group)]
+    closed = [i for i, s in enumerate(firsts)
+              if turn_end(s.text) is not None and len(s.token_ids) < max_tokens]
+    seconds = generate(llm, [list(prompt) + firsts[i].token_ids + answer_prompt for i in closed],
+                       temperature=temperature,
+                       max_tokens=[max_tokens - len(firsts[i].token_ids) for i in closed],
+                       seed=seed + k, group=group)
+    samples = [(s,) for s in firsts]
+    texts = [""] * k
+    for i, out in zip(closed, seconds):
+        samples[i] = (firsts[i], out[0])
+        texts[i] = decode(firsts[i].token_ids + answer_prompt) + out[0].text
+    return samples, texts
+
+
+def _end_turn(sample: Sample, turn_end, decode) -> Sample:
+    """sample cut after its first token whose text so far has ended (turn_end), as the engine cuts
+    at a stop string: the shorter turn is as exact a sample; as it is where that is its end"""
+    end = turn_end(sample.text)
+    if end is None or end == len(sample.text):
+        return sample
+    ids = sample.token_ids
+    lo, hi = 1, len(ids)   # the fewest tokens whose text has ended
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if turn_end(decode(ids[:mid])) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    logprobs = sample.logprobs[:lo] if sample.logprobs is not None else None
+    return Sample(decode(ids[:lo]), ids[:lo], sample.prompt_token_ids, logprobs)
+
+
+def turns(sample) -> tuple:
+    """the Samples of what sample_until kept: the one, or a two-turn sample's two"""
+    return sample if isinstance(sample, tuple) else (sample,)
+
+
+def serve_hf(llm, path: str) -> None:
+    """The full weights of the HF folder `path` (or hub name) into this rank's engine, streamed
+    from its safetensors files one tensor at a time (no trainer, no optimizer: an inference row of
+    eval.py); requests are served by them from then on. The folder must hold the engine's
+    architecture (a fine-tune of the model it was built from). A tied head is sent as the
+    embedding: vLLM's reload_weights(weights_path=...) skips it and keeps the old head's logits
+    (5.3 nats off in our tests). vLLM's reload also drops every adapter it holds
+    (lora.serve_adapter loads them again)."""
+    # the engine's own base (built from this name or folder): adapters can be served on it
+    base = path == llm.base_path or os.path.realpath(path) == os.path.realpath(llm.base_path)
+    if not os.path.isdir(path):   # a hub name: its files, downloaded once (as vLLM does)
+        from transformers.utils.hub import snapshot_download   # (huggingface_hub's)
+        path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors weights to serve")
+    dtype = llm.vllm.llm_engine.model_config.dtype
+
+    def weights():
+        embedding = None
+        head = False
+        for file in files:
+            with safe_open(file, "pt") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name).to(dtype)
+                    head |= name == "lm_head.weight"
+                    if name == "model.embed_tokens.weight":
+                        embedding = t
+                    yield name, t
+        if not head and embedding is not None:
+            yield "lm_head.weight", embedding
+
+    _reload_engine(llm, weights(), base_replaced=not base)
+
+
+def sept_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """SePT (METHOD.md "SePT"): advantage 1 for every sample whatever its reward, so rloo_loss
+    without KL is the NLL of the samples themselves."""
+    return torch.ones_like(rewards)
+
+
+def ppo_loss(logp, ref_logp, adv, mask, kl_coef: float, old_logp, clip: float = 0.2):
+    """PPO's clipped loss, as SeRL trains (METHOD.md "SeRL"), per completion token t, against the
+    log-probs before this round of updates (old_logp; train_step's old_logprobs):
+        pg = -min(r A, clip(r, 1 - clip, 1 + clip) A),   r = exp(logp - old_logp)
+    so a token whose ratio has left [1 - clip, 1 + clip] in A's direction gets no gradient. The KL
+    is in SeRL's advantages, not here. Returns rloo_loss's three sums (kl: 0)."""
+    ratio = torch.exp(logp - old_logp)
+    pg = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    return (pg * mask).sum(), (pg.detach() * mask).sum(), torch.zeros((), device=logp.device)
+
+
+@torch.no_grad()
+def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
+                      temperature: float, dev, shared: bool, micro_batch_tokens: int,
+                      group) -> list[list[float]]:
+    """token_logprobs of each of this rank's rows, a list per row, with no gradient, in
+    micro-batches (every rank of the group that shards `model` calls it, as many passes on each)"""
+    out = [None] * len(prompt_ids)
+    for rows in _passes([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
+                        micro_batch_tokens, group, dev):
+        batch = ([prompt_ids[i] for i in rows] or [[0]], [completion_ids[i] for i in rows] or [[]])
+        logp, _ = token_logprobs(model, *batch, temperature, dev, shared)
+        for b, i in enumerate(rows):
+            out[i] = logp[b, :len(completion_ids[i])].tolist()
+    reshard(model)
+    return out

@@ -637,7 +637,7 @@ def test_serl_row(rows_run):
         assert 1 <= n["rounds"] <= world["serl_rounds"]
         assert n["rounds"] == world["serl_rounds"] or n["difficulty"] >= world["serl_questions"]
         rollouts = len(m["nontrivial"]) * world["serl_samples"]
-        assert m["updates"] == -(-rollouts // world["serl_train_batch"]) and m["kl"] == 0
+        assert m["updates"] == -(-rollouts // ev.Config().serl_train_batch) and m["kl"] == 0
         assert m["tokens/generated/self_instruct"] > 0   # its writing and votes: a phase of its own
     assert all(0.2 <= q["share"] <= 0.8 and q["answer"] for q in generated)
     assert len({q["question"] for q in generated}) == len(generated)   # the diversity filter

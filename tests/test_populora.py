@@ -180,6 +180,9 @@ def test_the_single_agent_alternates_its_one_update():
     single = pl.parse_args(["--single_agent", "--teachers", "1", "--students", "1"])
     assert [pl.trained_roles(single, r) for r in range(4)] == [{"students"}, {"teachers"}] * 2
     assert pl.trained_roles(pl.parse_args([]), 3) == {"teachers", "students"}
+    joint = pl.parse_args(["--single_agent", "--teachers", "1", "--students", "1",
+                           "--single_agent_update", "joint"])
+    assert [pl.trained_roles(joint, r) for r in range(2)] == [{"teachers", "students"}] * 2
 
 
 # ---- evolution operators ----
@@ -327,7 +330,7 @@ def without_timing(metrics):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """a population run to the end; the same run killed once its round-1 checkpoint exists, then
-    resumed; and the single-agent baseline"""
+    resumed; and the single-agent baseline, alternating and joint"""
     d = tmp_path_factory.mktemp("populora")
     whole = torchrun("populora.py", d / "whole", *FLAGS)
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
@@ -339,6 +342,9 @@ def runs(tmp_path_factory):
     single = torchrun("populora.py", d / "single", *FLAGS, "--single_agent", "--teachers", "1",
                       "--students", "1")
     assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
+    joint = torchrun("populora.py", d / "joint", *FLAGS, "--single_agent", "--teachers", "1",
+                     "--students", "1", "--single_agent_update", "joint")
+    assert joint.returncode == 0, joint.stdout[-3000:] + joint.stderr[-3000:]
     return d, resumed.stdout
 
 
@@ -455,6 +461,17 @@ def test_the_single_agent_takes_one_update_a_round_alternating_roles(runs):
     assert updates_since_made(out, "t0") == sum(r["trained"] == ["teachers"] or r["valid"][0] > 0
                                                 for r in metrics) >= ROUNDS // 2
     assert [r["teacher_loss"][0] is None for r in metrics] == [True, False] * (ROUNDS // 2)
+
+
+def test_the_joint_single_agent_takes_one_update_a_round_on_both_roles(runs):
+    """--single_agent_update joint (Absolute Zero's): every round, one update of its one adapter
+    on its proposals and its solutions together"""
+    d, _ = runs
+    metrics = rows(d / "joint" / "metrics.jsonl")
+    assert [r["trained"] for r in metrics] == [["students", "teachers"]] * ROUNDS
+    assert updates_since_made(d / "joint", "t0") == ROUNDS
+    assert all(r["teacher_loss"][0] is not None for r in metrics)
+    assert metrics != rows(d / "single" / "metrics.jsonl")   # the alternating one's differ
 
 
 def test_the_default_population_is_four_and_four():

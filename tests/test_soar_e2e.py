@@ -178,12 +178,20 @@ def test_ranks_that_decide_apart_stop_with_one_error(tmp_path):
     assert err.count("differs between ranks") == 1, err[-3000:]   # printed by rank 0 alone
 
 
-def test_opensir_teacher(tmp_path):
+@pytest.fixture(scope="module")
+def opensir_two_turns(tmp_path_factory):
+    """one run of two extras together: the OpenSIR-style reward and the two-turn teacher (they are
+    independent: one scores the datasets, the other writes them)"""
+    out = tmp_path_factory.mktemp("os") / "os"
+    p = soar(out, "--reward", "opensir", "--teacher_turns", "2", "--outer_steps", "2")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out
+
+
+def test_opensir_teacher(opensir_two_turns):
     """--reward opensir: no students; R_k is the mean of calibration (0 or 1) + 0.5 * novelty
     against the archive of earlier steps' questions, which the checkpoint carries"""
-    out = tmp_path / "os"
-    p = soar(out, "--reward", "opensir", "--outer_steps", "2")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = opensir_two_turns
     metrics = rows(out / "metrics.jsonl")
     assert all(0.5 - 1e-9 <= r <= 1.5 for r in metrics[0]["R_k"])  # nothing archived yet: novelty 1
     assert not any(m["promoted"] for m in metrics) and all(len(m["R"][0]) == 1 for m in metrics)
@@ -234,16 +242,14 @@ def test_lora_run_writes_adapters_only(lora_runs):
         assert json.loads((folder / "soar.json").read_text()) == tag(name)
 
 
-def test_two_turn_teacher_trains_both_turns(tmp_path):
+def test_two_turn_teacher_trains_both_turns(opensir_two_turns):
     """--teacher_turns 2 (METHOD.md "Two-turn teacher"): step 0's kept pairs, sampled again here
     from the base model with the run's seeds and p', are the run's questions.jsonl rows; the tokens
     the teacher update trained are both turns' of each pair (turn 1 alone would be fewer), and its
     loss is the RLOO loss over both turns' tokens with the pair's A_k (no KL at step 0: the
     teacher is still its reference)."""
     import subprocess
-    out = tmp_path / "two"
-    p = soar(out, "--teacher_turns", "2", "--outer_steps", "1")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = opensir_two_turns
     m = rows(out / "metrics.jsonl")[0]
     code = ("import json, sys, data, launch, rloo, world; rloo.init_distributed(); "
             "model = world.build_world(small=True)['model']; tok = launch.tokenizer(model); "
@@ -260,7 +266,7 @@ def test_two_turn_teacher_trains_both_turns(tmp_path):
     assert g.returncode == 0, g.stderr[-3000:]
     kept = json.loads(g.stdout.split("KEPT ", 1)[1])
     assert [pair for pair, _ in kept] == [[r["question"], r["answer"]]
-                                          for r in rows(out / "questions.jsonl")]
+                                          for r in rows(out / "questions.jsonl") if r["step"] == 0]
     assert all(len(turns) == 2 for _, turns in kept)
     trained = sum(prompt + new for _, turns in kept for prompt, new in turns)
     assert m["tokens/trained/teacher_update"] == trained
