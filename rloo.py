@@ -851,11 +851,6 @@ def _load_sharded(path, mesh, trainable, activation_checkpointing=False):
     return model
 
 
-def load_reference(path: str, mesh):
-    """the model in HF folder `path`, frozen and sharded over mesh: a KL reference"""
-    return _load_sharded(path, mesh, False)
-
-
 def device_of(mesh) -> torch.device:
     """this rank's device on mesh"""
     if mesh.device_type == "cuda":
@@ -898,7 +893,7 @@ def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: i
                     save_dtype=cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32,
                     shared_prompts=prompt_pass(prompts, mesh.device_type))
     policy.model = _load_sharded(path, mesh, True, activation_checkpointing)
-    policy.ref = load_reference(path, mesh) if kl_coef > 0 else None
+    policy.ref = _load_sharded(path, mesh, False) if kl_coef > 0 else None
     reset_optimizer(policy, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps)
     return policy
 
