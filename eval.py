@@ -444,7 +444,7 @@ def eval_passk(llm, test: list[dict], cfg: Config, seed: int, key) -> dict:
     counts = rloo.count_correct(llm, test, prompt=data.student_prompt, correct=data.solved,
                                 n=cfg.passk_samples, max_tokens=cfg.student_max_tokens,
                                 temperature=cfg.temperature, group=dist.group.WORLD,
-                                seed=launch.seed_of(seed, "passk", key))
+                                seed=rloo.seed_of(seed, "passk", key))
     return {**mean_passk(counts, cfg.passk_samples), "solved": sum(c > 0 for c in counts)}
 
 
@@ -482,15 +482,19 @@ def teacher_questions(path: str, cfg: Config, seed: int, llm, tok) -> list[dict]
     format filter (METHOD.md "Evaluation protocol": same prompt and filter), in two turns if it was
     trained so (answer_form)."""
     serve(path, llm)
-    seeds = [launch.seed_of(seed, "eval", "teacher", i) for i in range(TEACHER_ROUNDS)]
+    seeds = [rloo.seed_of(seed, "eval", "teacher", i) for i in range(TEACHER_ROUNDS)]
     form = answer_form(path)
-    kept, _ = rloo.sample_until(llm, data.teacher_prompt(tok), need=cfg.teacher_questions,
-                                parse=data.parse_teacher_batch, round_seeds=seeds,
-                                max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,
-                                what=f"the format filter of data.TEACHER_PROMPT ({path})",
-                                group=dist.group.WORLD,
-                                answer_prompt=data.answer_prompt(tok, form) if form else None,
-                                stop=data.QUESTION_STOP, turn_end=data.question_end)
+    how = dict(max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,
+               group=dist.group.WORLD)
+    if form:
+        draw = rloo.turns_of(llm, data.teacher_prompt(tok),
+                             answer_prompt=data.answer_prompt(tok, form), stop=data.QUESTION_STOP,
+                             turn_end=data.question_end, **how)
+    else:
+        draw = rloo.samples_of(llm, data.teacher_prompt(tok), **how)
+    kept, _ = rloo.sample_until(draw, need=cfg.teacher_questions, parse=data.parse_teacher_batch,
+                                round_seeds=seeds, group=dist.group.WORLD,
+                                what=f"the format filter of data.TEACHER_PROMPT ({path})")
     return [{"question": q, "answer": a} for _, (q, a) in kept]
 
 
@@ -535,7 +539,7 @@ def self_instruct(cfg: Config, seed: int, step: int, llm, tok, seed_set: list[di
                 diverse.append(q)
         outs = rloo.generate(llm, [data.student_prompt(q) for q in diverse], n=cfg.serl_samples,
                              temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
-                             seed=launch.seed_of(seed, "serl-vote", step, r),
+                             seed=rloo.seed_of(seed, "serl-vote", step, r),
                              group=dist.group.WORLD)
         votes = rloo.split_map(data.majority_labels, [[s.text for s in o] for o in outs],
                                dist.group.WORLD)
@@ -558,7 +562,7 @@ def write_questions(cfg: Config, seed: int, step: int, r: int, llm, tok, seed_se
     rng = random.Random(f"{seed}/serl/{step}/{r}")
     outs = rloo.generate(llm, writing_prompts(cfg, tok, seed_set, kept, rng),
                          temperature=cfg.serl_temperature, max_tokens=cfg.serl_max_tokens,
-                         seed=launch.seed_of(seed, "serl", step, r), group=dist.group.WORLD)
+                         seed=rloo.seed_of(seed, "serl", step, r), group=dist.group.WORLD)
     texts = [o[0].text for o in outs]
     if cfg.serl_shots:
         return [q for t in texts for q in data.numbered_questions(t, cfg.serl_shots + 1)]
@@ -697,7 +701,7 @@ def fresh_student(cfg: Config, row: Row, mesh, out: str, config: dict):
                 activation_checkpointing=cfg.activation_checkpointing)
     if cfg.lora_rank:
         policy = lora.load_policy(cfg.model, mesh, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
-                                  seed=launch.seed_of(config["seed"], "adapter"), **opts)
+                                  seed=rloo.seed_of(config["seed"], "adapter"), **opts)
     else:
         policy = rloo.load_policy(cfg.model, mesh, **opts)
     if row.self_instruct:
@@ -732,13 +736,13 @@ def student_step(cfg: Config, row: Row, seed: int, step: int, policy, llm, tok, 
         with rloo.timed("self_instruct"):   # its tokens: tokens/generated/self_instruct
             written = self_instruct(cfg, seed, step, llm, tok, real, metrics)
         batch += [(q["question"], q["answer"]) for q in written["generated"]]
-        stats = serl_update(cfg, policy, llm, batch, launch.seed_of(seed, "student", step))
+        stats = serl_update(cfg, policy, llm, batch, rloo.seed_of(seed, "student", step))
     else:
         stats = rloo.rl_step(policy, llm, batch, prompt=data.student_prompt, reward=data.grade,
                              samples=cfg.student_samples,
                              temperature=getattr(cfg, row.temperature),
                              max_tokens=cfg.student_max_tokens, group=dist.group.WORLD,
-                             seed=launch.seed_of(seed, "student", step),
+                             seed=rloo.seed_of(seed, "student", step),
                              micro_batch_tokens=cfg.micro_batch_tokens, advantages=row.advantages,
                              loss=rloo.rloo_loss, train_temperature=row.train_temperature)
     sample_rewards = stats.pop("rewards")
@@ -1031,7 +1035,7 @@ def filter_seed(cfg: Config, sizes: list[int], pool: int, lo: int) -> int:
     problems, in the order given): the problems of all pools in a row, each filter_samples seeds
     after the one before (count_correct: problem i of a call draws seed + i * n + j, j < n), so no
     two samples of a filter share a seed, across chunks, problems and pools."""
-    return launch.seed_of(seeds(cfg)[0], "filter") + (sum(sizes[:pool]) + lo) * cfg.filter_samples
+    return rloo.seed_of(seeds(cfg)[0], "filter") + (sum(sizes[:pool]) + lo) * cfg.filter_samples
 
 
 # ---- commands that need no engine ----

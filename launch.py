@@ -11,7 +11,6 @@ import fcntl
 import glob
 import json
 import os
-import random
 import re
 import secrets
 import shutil
@@ -434,12 +433,7 @@ def hf_behind(out: str, state: dict | None = None, names=("teacher", "student"))
 
 
 # -----------------------------------------------------------------------------
-# seeds, sizes, the step's counts
-
-def seed_of(seed: int, *keys) -> int:
-    """Every random draw is a function of (seed, step, ...): a resumed run replays exactly."""
-    return random.Random(f"{seed}/" + "/".join(map(str, keys))).randrange(2**31)
-
+# sizes, the step's counts
 
 BYTES = ((1e9, "GB"), (1e6, "MB"))   # readable()'s units for sizes
 
@@ -555,9 +549,9 @@ class SoarRun:
     tok: object
     llm: object                 # this rank's engine
     teacher: rloo.Policy
-    student: rloo.Policy        # this group's student: theta, and the first of each wave
-    wave: list                  # the policies of the students a group trains at once: [student];
-                                # with LoRA, an adapter for each of the group's students
+    student: rloo.Policy        # this group's student: theta, and the one it trains
+    adapters: list              # with LoRA, an adapter for each of the group's students, trained
+                                # side by side (the first is student); else []
     theta: dict                 # the baseline student's shards (rloo.snapshot)
     hard: list                  # the hard train split
     state: dict                 # what a checkpoint holds besides the weights
@@ -713,7 +707,8 @@ def activation_gib(config, micro_batch_tokens: int, activation_checkpointing: bo
 
 def memory(cfg, world_size: int, gpu_gib: float, config) -> dict[str, float]:
     """GiB per rank of this layout on GPUs of gpu_gib (memory_per_rank): the teacher sharded
-    over all ranks, a student over its group's; with LoRA the teacher's adapter and a wave's"""
+    over all ranks, a student over its group's; with LoRA the teacher's adapter and its group's
+    students'"""
     G = student_groups(cfg, world_size)
     return memory_per_rank(config, gpu_gib=gpu_gib, engine_share=cfg.gpu_memory_utilization,
                            policy_ranks=[world_size, world_size // G], lora_rank=cfg.lora_rank,
@@ -791,7 +786,7 @@ def open_folder(cfg, tok, world_size: int, trains_students: bool) -> tuple[list[
     made = not os.path.exists(cfg.out)
     lock_folder(cfg.out)   # a second run on the folder is refused at once
     hard = problems(cfg.train)   # one list: rank 0 drops what times out
-    # a two-turn teacher's samples hold p' too (soar.answer_prompt)
+    # a two-turn teacher's samples hold p' too (soar.two_turns)
     answer_prompt = data.answer_prompt(tok, cfg.answer_prompt) if cfg.teacher_turns == 2 else []
     seq_len = data.engine_len(tok, [q["question"] for q in hard], cfg.student_max_tokens,
                               cfg.teacher_max_tokens, answer_prompt)
@@ -814,24 +809,24 @@ def load_models(cfg, device, world_size: int, tok, seq_len: int, hard: list, ckp
     mesh = init_device_mesh(device.type, (G, world_size // G), mesh_dim_names=("group", "fsdp"))
     teacher_mesh = init_device_mesh(device.type, (world_size,))
     # with LoRA a group trains all its students at once (the most students a group has)
-    wave = max(1, -(-cfg.num_datasets * cfg.students // G)) if cfg.lora_rank else 1
-    seqs = step_sequences(cfg, world_size, G, wave)
+    at_once = -(-cfg.num_datasets * cfg.students // G) if cfg.lora_rank else 1
+    seqs = step_sequences(cfg, world_size, G, at_once)
     llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len, verbose=cfg.verbose,
                             gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            **lora.engine_args(cfg.lora_rank, wave + 1),   # + the teacher
+                            **lora.engine_args(cfg.lora_rank, at_once + 1),   # + the teacher
                             **rloo.step_engine_args(seqs, seq_len - cfg.student_max_tokens))
     if device.type == "cuda":   # (on CPU, a fixed rloo.CPU_KVCACHE_GIB)
         rloo.print0(kv_line(rloo.kv_capacity(llm), seqs, seq_len))
     teacher = load_policy(cfg, teacher_mesh, lr=cfg.teacher_lr, total_steps=cfg.outer_steps,
                           warmup_steps=cfg.teacher_warmup,
-                          seed=seed_of(cfg.seed, "adapter", "teacher"))
+                          seed=rloo.seed_of(cfg.seed, "adapter", "teacher"))
     # with LoRA, the student's adapter goes on the teacher's base: one base per rank
     student = load_policy(cfg, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0, total_steps=1,
-                          base=teacher, seed=seed_of(cfg.seed, "adapter", "student"))
-    # the wave's other adapters, on the same base (each restored to theta before it trains)
+                          base=teacher, seed=rloo.seed_of(cfg.seed, "adapter", "student"))
+    # with LoRA, the other students' adapters, on the same base (restored to theta to train)
     others = [load_policy(cfg, mesh["fsdp"], lr=cfg.student_lr, warmup_steps=0, total_steps=1,
                           base=teacher, seed=0)
-              for _ in range(wave - 1)]
+              for _ in range(at_once - 1)]
     if ckpt:
         rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
         rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta
@@ -842,8 +837,9 @@ def load_models(cfg, device, world_size: int, tok, seq_len: int, hard: list, ckp
     n_trained = sum(p.numel() for p in rloo.trainable(teacher).values())
     announce(cfg, world_size, G, n_params, n_trained, teacher.save_dtype.itemsize, bool(ckpt),
              state["step"])
-    return SoarRun(mesh, tok, llm, teacher, student, [student] + others, rloo.snapshot(student),
-                   hard, state, n_params, wb)
+    adapters = [student] + others if cfg.lora_rank else []
+    return SoarRun(mesh, tok, llm, teacher, student, adapters, rloo.snapshot(student), hard, state,
+                   n_params, wb)
 
 
 def load_policy(cfg, mesh, *, seed: int, base=None, **schedule) -> rloo.Policy:
@@ -857,10 +853,11 @@ def load_policy(cfg, mesh, *, seed: int, base=None, **schedule) -> rloo.Policy:
                             base=lora.base_of(base) if base else None, seed=seed, **opts)
 
 
-def step_sequences(cfg, world_size: int, G: int, wave: int) -> int:
-    """the sequences one inner step puts on a rank's engine: its group's wave of students, each
-    student_questions x student_samples rollouts, split over the group's ranks"""
-    return -(-wave * cfg.student_questions * cfg.student_samples // (world_size // G))
+def step_sequences(cfg, world_size: int, G: int, at_once: int) -> int:
+    """the sequences one inner step puts on a rank's engine: the students its group trains at once
+    (LoRA: all its students), each student_questions x student_samples rollouts, split over the
+    group's ranks"""
+    return -(-at_once * cfg.student_questions * cfg.student_samples // (world_size // G))
 
 
 def kv_line(capacity: int, seqs: int, seq_len: int) -> str:

@@ -10,7 +10,7 @@ here. rloo.train_step, snapshot, restore and broadcast_snapshot need nothing of 
     student = lora.load_policy("my/model", mesh, rank=32, lr=1e-4, warmup_steps=0, total_steps=10,
                                base=lora.base_of(teacher))   # one base for both
     llm = rloo.build_engine("my/model", max_model_len=256, **lora.engine_args(32, adapters=2))
-    rloo.rl_steps([teacher, student], llm, [batch_a, batch_b], ...)   # one engine call for both
+    lora.rl_steps([teacher, student], llm, [batch_a, batch_b], ...)   # one engine call for both
 
 Imports: torch, safetensors (with transformers), vLLM's LoRARequest, and rloo.
 """
@@ -302,3 +302,57 @@ def base_parameters(policy: rloo.Policy) -> int:
     """the frozen base's parameters (the policy's own are its adapter's)"""
     return sum(p.numel() for p in base_of(policy).parameters())
 
+
+# -----------------------------------------------------------------------------
+# several adapters in one engine call: each request names its policy's adapter
+
+def requests_of(served: list, counts: list[int]) -> list | None:
+    """What serves each request of a call that holds counts[b] requests of the b-th of several
+    policies, from what rloo.sync_weights returned for each; None for one policy: the engine serves
+    what was synced last. Several in one call must be adapters: the engine holds one set of full
+    weights."""
+    if len(served) == 1:
+        return None
+    if any(s is None for s in served):
+        raise ValueError("several policies in one engine call need LoRA adapters (lora.py)")
+    return [s for s, count in zip(served, counts) for _ in range(count)]
+
+
+def rl_steps(policies: list, llm, batches: list[list[tuple[str, str]]], *, prompt, reward,
+             samples: int, max_tokens: int, seed: int, temperature: float = 1.0, group=None,
+             micro_batch_tokens: int = 16384, advantages=rloo.rloo_advantages, loss=rloo.rloo_loss,
+             train_temperature: float | None = None) -> list[dict]:
+    """rloo.rl_step for several adapter policies, each on its batch, all their rollouts sampled in
+    one engine call (each request served by its policy's adapter; request i of the call draws
+    seed + i * samples, rloo.generate), then one update each (rloo.learn). Returns, per policy,
+    rloo.learn's stats."""
+    if group is None:
+        group = policies[0].mesh.get_group()
+    with rloo.timed("sync"):
+        served = [rloo.sync_weights(policy, llm) for policy in policies]
+    flat, rewards = rloo.rollouts(llm, [pair for batch in batches for pair in batch], prompt=prompt,
+                                  reward=reward, samples=samples, max_tokens=max_tokens, seed=seed,
+                                  temperature=temperature, group=group,
+                                  adapters=requests_of(served, [len(b) for b in batches]))
+    if train_temperature is None:
+        train_temperature = temperature
+    results = []
+    lo = 0
+    for policy, batch in zip(policies, batches):
+        hi = lo + len(batch) * samples
+        results.append(rloo.learn(policy, flat[lo:hi], rewards[lo:hi], samples, group=group,
+                                  advantages=advantages, loss=loss, temperature=train_temperature,
+                                  micro_batch_tokens=micro_batch_tokens))
+        lo = hi
+    return results
+
+
+def accuracies(policies: list, llm, problems: list[dict], **count_args) -> list[float]:
+    """Each adapter policy's share of `problems` counted correct (rloo.count_correct with
+    count_args, n = 1), all in one engine call. Phase: sync (the weights)."""
+    with rloo.timed("sync"):
+        served = [rloo.sync_weights(policy, llm) for policy in policies]
+    M = len(problems)
+    counts = rloo.count_correct(llm, problems * len(policies),
+                                adapters=requests_of(served, [M] * len(policies)), **count_args)
+    return [sum(counts[b * M:(b + 1) * M]) / M for b in range(len(policies))]

@@ -52,7 +52,7 @@ class Config:
         "the built-in world without --model: default, or small (the tests')",
         choices=("default", "small"))
     out: str = launch.flag("runs/populora", "output folder; rerunning on it resumes")
-    seed: int = launch.flag(0, "every random draw derives from it (launch.seed_of)")
+    seed: int = launch.flag(0, "every random draw derives from it (rloo.seed_of)")
     # ---- the populations (METHOD.md "PopuLoRA") ----
     teachers: int = launch.flag(4, "teacher adapters", least=1)
     students: int = launch.flag(4, "student adapters", least=1)
@@ -350,7 +350,7 @@ def main(cfg: Config):
             state[name] = [grow_sigma(r) for r in state[name]]
         can_teach = [any(v is not None for _, v in p) for p in proposals]
         pairs = match(state["teacher_ratings"], state["student_ratings"],
-                      random.Random(launch.seed_of(cfg.seed, rnd, "match")),
+                      random.Random(rloo.seed_of(cfg.seed, rnd, "match")),
                       newcomers=tuple(evolved["students"][:1]) if "students" in evolved else (),
                       can_teach=can_teach)
         # 3. the matched students solve them (one engine call) and learn from the valid ones
@@ -425,7 +425,7 @@ def propose(cfg: Config, run, rnd: int) -> list[list]:
     with rloo.timed("teacher_generation"):
         outs = rloo.generate(run.llm, [prompt] * (n * len(run.teachers)), n=1,
                              temperature=cfg.temperature, max_tokens=cfg.teacher_max_tokens,
-                             seed=launch.seed_of(cfg.seed, rnd, "teachers"), group=dist.group.WORLD,
+                             seed=rloo.seed_of(cfg.seed, rnd, "teachers"), group=dist.group.WORLD,
                              adapters=[t.model.served for t in run.teachers for _ in range(n)])
         samples = [o[0] for o in outs]
         pairs = rloo.split_map(data.parse_teacher_batch, [s.text for s in samples],
@@ -453,7 +453,7 @@ def solve_and_learn(cfg: Config, run, rnd: int, pairs: list[int], proposals: lis
     with rloo.timed("student_rollouts"):
         outs = rloo.generate(run.llm, [data.student_prompt(q) for _, q, _ in work], n=k,
                              temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
-                             seed=launch.seed_of(cfg.seed, rnd, "students"), group=dist.group.WORLD,
+                             seed=rloo.seed_of(cfg.seed, rnd, "students"), group=dist.group.WORLD,
                              adapters=[p.model.served for p in policies] if work else None)
         flat = [(s, a) for o, (_, _, a) in zip(outs, work) for s in o]
         rewards = rloo.split_map(lambda share: data.grade([s.text for s, _ in share],
@@ -552,14 +552,14 @@ def evolve(cfg: Config, run, rnd: int) -> dict:
             continue
         loser, best, second = chosen
         child = rloo.snapshot(members[best])
-        seed = launch.seed_of(cfg.seed, rnd, name, "crossover")
+        seed = rloo.seed_of(cfg.seed, rnd, name, "crossover")
         if second is not None and cfg.crossover in ("uniform", "dare"):
             merge = crossover_dare if cfg.crossover == "dare" else crossover_uniform
             child = merge(child, rloo.snapshot(members[second]), cfg.dare_drop, seed,
                           members[best].device)
         elif second is not None:
             child = crossover_layers(child, rloo.snapshot(members[second]), seed)
-        seed = launch.seed_of(cfg.seed, rnd, name, "mutation")
+        seed = rloo.seed_of(cfg.seed, rnd, name, "mutation")
         if cfg.mutation == "svd":
             child = mutate_svd(child, cfg.mutation_sigma, seed)
         else:
@@ -615,14 +615,14 @@ def setup(cfg: Config, checker) -> Run | None:
                 kl_coef=cfg.kl_coef, prompts=cfg.prompt_pass,
                 activation_checkpointing=cfg.activation_checkpointing)
     first = lora.load_policy(cfg.model, mesh, lr=cfg.teacher_lr, **opts,
-                             seed=launch.seed_of(cfg.seed, "adapter", "teacher", 0))
+                             seed=rloo.seed_of(cfg.seed, "adapter", "teacher", 0))
     base = lora.base_of(first)   # every adapter on one base
     teachers = [first] + [lora.load_policy(cfg.model, mesh, lr=cfg.teacher_lr, base=base,
-                                           seed=launch.seed_of(cfg.seed, "adapter", "teacher", i),
+                                           seed=rloo.seed_of(cfg.seed, "adapter", "teacher", i),
                                            **opts) for i in range(1, cfg.teachers)]
     students = teachers if cfg.single_agent else [
         lora.load_policy(cfg.model, mesh, lr=cfg.student_lr, base=base,
-                         seed=launch.seed_of(cfg.seed, "adapter", "student", j), **opts)
+                         seed=rloo.seed_of(cfg.seed, "adapter", "student", j), **opts)
         for j in range(cfg.students)]
     if ckpt:
         for name, policy in members(teachers, students).items():

@@ -39,6 +39,7 @@ import logging
 import math
 import os
 import pickle
+import random
 import shutil
 import socket
 import sys
@@ -162,6 +163,11 @@ def on_rank0(fn, *args):
         copy.add_note(f"(raised on rank 0)\n{trace}")
         raise copy
     return value
+
+
+def seed_of(seed: int, *keys) -> int:
+    """Every random draw is a function of (seed, step, ...): a resumed run replays exactly."""
+    return random.Random(f"{seed}/" + "/".join(map(str, keys))).randrange(2**31)
 
 
 def chunk(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -385,30 +391,21 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
     return [s for part in all_gather(mine, group) for s in part]
 
 
-def sample_until(llm, prompt, *, need: int, parse, round_seeds: list[int], max_tokens: int,
-                 temperature: float, what: str, group=None, answer_prompt: list[int] | None = None,
-                 stop: str = "", turn_end=None) -> tuple[list, int]:
-    """Rejection sampling from the weights in the engine: sample, keep what `parse` (texts -> a
-    value or None each, split over the ranks) accepts, sample again for the shortfall, one round per
-    seed of round_seeds. Exact for RLOO: the kept samples are draws of the policy conditioned on
-    passing the filter (METHOD.md "Teacher update"). Returns the first `need` (Sample, value) in
-    sampling order and the number of samples drawn; too few ends the run, naming `what`. With
-    an answer_prompt, a sample is two turns (sample_turns, with stop and turn_end), a (Sample,
-    Sample), read as one text."""
+def sample_until(draw, *, need: int, parse, round_seeds: list[int], what: str,
+                 group=None) -> tuple[list, int]:
+    """Rejection sampling: draw(k, seed) returns k samples and their texts (samples_of: from the
+    weights in the engine); keep what `parse` (texts -> a value or None each, split over the ranks)
+    accepts, draw again for the shortfall, one round per seed of round_seeds. Exact for RLOO: the
+    kept samples are draws of the policy conditioned on passing the filter (METHOD.md "Teacher
+    update"). Returns the first `need` (sample, value) in sampling order and the number of samples
+    drawn; too few ends the run, naming `what`."""
     kept = []
     sampled = 0
     for seed in round_seeds:
         todo = need - len(kept)
         # oversample by the valid rate seen so far (at least 1x, at most 8x)
         k = todo if not kept else min(8 * todo, int(todo * sampled / len(kept) * 1.2) + 1)
-        if answer_prompt is None:
-            samples = [o[0] for o in generate(llm, [prompt] * k, temperature=temperature,
-                                              max_tokens=max_tokens, seed=seed, group=group)]
-            texts = [s.text for s in samples]
-        else:
-            samples, texts = sample_turns(llm, prompt, k, answer_prompt=answer_prompt, stop=stop,
-                                          turn_end=turn_end, temperature=temperature,
-                                          max_tokens=max_tokens, seed=seed, group=group)
+        samples, texts = draw(k, seed)
         values = split_map(parse, texts, group)
         sampled += k
         kept += [(s, v) for s, v in zip(samples, values) if v is not None]
@@ -418,6 +415,16 @@ def sample_until(llm, prompt, *, need: int, parse, round_seeds: list[int], max_t
                        f"({len(round_seeds)} rounds)")
 
 
+def samples_of(llm, prompt, *, max_tokens: int, temperature: float, group=None):
+    """sample_until's draw: k samples of `prompt` on the group's engines (generate), and their
+    texts"""
+    def draw(k: int, seed: int) -> tuple[list[Sample], list[str]]:
+        samples = [o[0] for o in generate(llm, [prompt] * k, temperature=temperature,
+                                          max_tokens=max_tokens, seed=seed, group=group)]
+        return samples, [s.text for s in samples]
+    return draw
+
+
 def count_correct(llm, problems: list[dict], *, prompt, correct, n: int, max_tokens: int,
                   seed: int, temperature: float = 1.0, group=None, chunk_prompts: int = 0,
                   adapters: list | None = None) -> list[int]:
@@ -425,7 +432,7 @@ def count_correct(llm, problems: list[dict], *, prompt, correct, n: int, max_tok
     ({"question", "answer"}): greedy accuracy (n = 1, temperature 0), pass@k and fail@k all count
     this way. Sampled in chunks of prompts so 5000 x 128 samples never sit in memory at once;
     request i carries seed + i * n whatever the chunking (generate), so results do not depend on it.
-    `adapters`: what serves each problem (requests_of), for several policies in one call."""
+    `adapters`: what serves each problem (generate), for several policies in one call."""
     step = chunk_prompts or max(1, 8192 // n)
     counts = []
     for lo in range(0, len(problems), step):
@@ -691,14 +698,23 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
         stats[2] += kl
     dist.all_reduce(stats[1:], group=group)
     METER.count("trained", sum(map(len, prompt_ids)) + sum(map(len, completion_ids)))
-    _average_whole_gradients(list(trainable(policy).values()), group)
+    _average_unsharded_gradients(list(trainable(policy).values()), group)
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable(policy).values(), policy.grad_clip)
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
     lr = policy.scheduler.get_last_lr()[0]
     pg_loss = stats[1].item() / max(n_tokens, 1.0)
     kl = stats[2].item() / max(n_tokens, 1.0)
-    finite = all(map(math.isfinite, (pg_loss, kl, grad_norm.item())))   # all-reduced: ranks agree
+    stepped = optimizer_step(policy, pg_loss, kl, grad_norm.item())
+    return dict(loss=pg_loss + policy.kl_coef * kl, pg_loss=pg_loss, kl=kl,
+                grad_norm=grad_norm.item(), lr=lr, tokens=n_tokens, skipped=not stepped)
+
+
+def optimizer_step(policy: Policy, pg_loss: float, kl: float, grad_norm: float) -> bool:
+    """The optimizer's and the schedule's step, unless the loss, the KL or the gradient norm (all
+    all-reduced: every rank agrees) is not finite: then the update is skipped with a line on
+    stderr, and MAX_NONFINITE skipped in a row stop the run. Returns whether it stepped."""
+    finite = all(map(math.isfinite, (pg_loss, kl, grad_norm)))
     if finite:
         policy.optimizer.step()
         policy.scheduler.step()
@@ -706,13 +722,12 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
     policy.nonfinite = 0 if finite else policy.nonfinite + 1
     if not finite:
         METER.count("skipped_updates")
-        msg = f"non-finite loss {pg_loss}, KL {kl} or gradient norm {grad_norm.item()}"
+        msg = f"non-finite loss {pg_loss}, KL {kl} or gradient norm {grad_norm}"
         if policy.nonfinite >= MAX_NONFINITE:
             raise RuntimeError(f"{msg} in {policy.nonfinite} updates in a row: stopping "
                                "(see MAX_NONFINITE in rloo.py)")
         print0(f"rloo.train_step: {msg}: update skipped", file=sys.stderr)
-    return dict(loss=pg_loss + policy.kl_coef * kl, pg_loss=pg_loss, kl=kl,
-                grad_norm=grad_norm.item(), lr=lr, tokens=n_tokens, skipped=not finite)
+    return finite
 
 
 @torch.no_grad()
@@ -726,7 +741,7 @@ def reference_logprobs(policy: Policy, prompts, completions, temperature: float)
     return logp
 
 
-def _average_whole_gradients(params: list, group) -> None:
+def _average_unsharded_gradients(params: list, group) -> None:
     """The mean gradient over the group's ranks, as FSDP2 gives its sharded parameters, for those it
     does not shard (held whole on every rank: lora.py's adapters): one flat all-reduce. Full
     fine-tuning has none."""
@@ -741,51 +756,25 @@ def _average_whole_gradients(params: list, group) -> None:
         p.grad = g.view_as(p)
 
 
-def rl_step(policy: Policy, llm, batch: list[tuple[str, str]], **kwargs) -> dict:
-    """One RL step of one policy on (question, answer) pairs (rl_steps)"""
-    return rl_steps([policy], llm, [batch], **kwargs)[0]
-
-
-def rl_steps(policies: list[Policy], llm, batches: list[list[tuple[str, str]]], *, prompt, reward,
-             samples: int, max_tokens: int, seed: int, temperature: float = 1.0, group=None,
-             micro_batch_tokens: int = 16384, advantages=rloo_advantages, loss=rloo_loss,
-             train_temperature: float | None = None) -> list[dict]:
-    """One RL step of each policy on its batch of (question, answer) pairs (METHOD.md "Inner loop";
-    also eval.py's fresh students): sync, sample `samples` completions of prompt(question) per
-    question on the group's engines, all policies in one engine call (several: each request served
-    by its policy's adapter, lora.py), score them with reward(completions, answers) (split over the
-    ranks), `advantages` of each question's [samples] rewards (rloo_advantages: leave-one-out;
-    sept_advantages: all 1), then one `loss` update per policy at train_temperature (default: the
-    sampling one). Phases: sync, student_rollouts (sampling and scoring). Returns, per policy,
-    train_step's stats, the mean `reward`, `rewards` (flat, question by question) and
-    `nontrivial`: per question, did its rewards vary. `group`: the ranks that share the sampling
-    and grading (default: those of the policies' mesh)."""
+def rl_step(policy: Policy, llm, batch: list[tuple[str, str]], *, prompt, reward, samples: int,
+            max_tokens: int, seed: int, temperature: float = 1.0, group=None,
+            micro_batch_tokens: int = 16384, advantages=rloo_advantages, loss=rloo_loss,
+            train_temperature: float | None = None) -> dict:
+    """One RL step of a policy on a batch of (question, answer) pairs (METHOD.md "Inner loop"; also
+    eval.py's fresh students): sync its weights into the engine, sample `samples` completions of
+    prompt(question) per question on the group's engines, score them with reward(completions,
+    answers), then one `loss` update on their `advantages` at train_temperature (default: the
+    sampling one) (learn). `group`: the ranks that share the sampling and grading (default: those
+    of the policy's mesh). Phases: sync, student_rollouts. Returns learn's stats."""
     if group is None:
-        group = policies[0].mesh.get_group()
+        group = policy.mesh.get_group()
     with timed("sync"):
-        served = [sync_weights(policy, llm) for policy in policies]
-    flat, rewards = rollouts(llm, [pair for batch in batches for pair in batch], prompt=prompt,
-                             reward=reward, samples=samples, max_tokens=max_tokens, seed=seed,
-                             temperature=temperature, group=group,
-                             adapters=requests_of(served, [len(b) for b in batches]))
-    if train_temperature is None:
-        train_temperature = temperature
-    results = []
-    lo = 0
-    for policy, batch in zip(policies, batches):
-        hi = lo + len(batch) * samples
-        table = torch.tensor(rewards[lo:hi]).view(len(batch), samples)   # questions x samples
-        adv = advantages(table).flatten().tolist()
-        rows = my_share([(smp, a) for (smp, _), a in zip(flat[lo:hi], adv)], group)
-        stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows],
-                           [smp.token_ids for smp, _ in rows], [a for _, a in rows], loss=loss,
-                           temperature=train_temperature, micro_batch_tokens=micro_batch_tokens)
-        policy_rewards = rewards[lo:hi]
-        results.append({**stats, "reward": sum(policy_rewards) / len(policy_rewards),
-                        "rewards": policy_rewards,
-                        "nontrivial": (table.std(1) > 0).tolist()})
-        lo = hi
-    return results
+        sync_weights(policy, llm)
+    flat, rewards = rollouts(llm, batch, prompt=prompt, reward=reward, samples=samples,
+                             max_tokens=max_tokens, seed=seed, temperature=temperature, group=group)
+    return learn(policy, flat, rewards, samples, group=group, advantages=advantages, loss=loss,
+                 temperature=temperature if train_temperature is None else train_temperature,
+                 micro_batch_tokens=micro_batch_tokens)
 
 
 def rollouts(llm, pairs: list[tuple[str, str]], *, prompt, reward, samples: int, max_tokens: int,
@@ -803,16 +792,20 @@ def rollouts(llm, pairs: list[tuple[str, str]], *, prompt, reward, samples: int,
     return flat, rewards
 
 
-def requests_of(served: list, counts: list[int]) -> list | None:
-    """What serves each request of a call that holds counts[b] requests of the b-th of several
-    policies, from what sync_weights returned for each; None for one policy: the engine serves
-    what was synced last. Several in one call must be adapters (lora.py): the engine holds one set
-    of full weights."""
-    if len(served) == 1:
-        return None
-    if any(s is None for s in served):
-        raise ValueError("several policies in one engine call need LoRA adapters (lora.py)")
-    return [s for s, count in zip(served, counts) for _ in range(count)]
+def learn(policy: Policy, flat: list, rewards: list[float], samples: int, *, group, advantages,
+          loss, temperature: float, micro_batch_tokens: int) -> dict:
+    """One `loss` update of the policy on its scored rollouts (rollouts: `samples` a question, in
+    order): `advantages` of each question's group of rewards (rloo_advantages: leave-one-out),
+    then train_step, each rank on its share. Returns train_step's stats, the mean `reward`,
+    `rewards` (flat) and `nontrivial`: per question, did its rewards vary."""
+    table = torch.tensor(rewards).view(-1, samples)   # questions x samples
+    adv = advantages(table).flatten().tolist()
+    rows = my_share([(smp, a) for (smp, _), a in zip(flat, adv)], group)
+    stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows],
+                       [smp.token_ids for smp, _ in rows], [a for _, a in rows], loss=loss,
+                       temperature=temperature, micro_batch_tokens=micro_batch_tokens)
+    return {**stats, "reward": sum(rewards) / len(rewards), "rewards": rewards,
+            "nontrivial": (table.std(1) > 0).tolist()}
 
 
 # -----------------------------------------------------------------------------
@@ -1099,6 +1092,14 @@ def sample_turns(llm, prompt, k: int, *, answer_prompt: list[int], stop: str, tu
         samples[i] = (firsts[i], out[0])
         texts[i] = decode(firsts[i].token_ids + answer_prompt) + out[0].text
     return samples, texts
+
+
+def turns_of(llm, prompt, *, answer_prompt: list[int], stop: str, turn_end, max_tokens: int,
+             temperature: float, group=None):
+    """sample_until's draw of two-turn samples: sample_turns of `prompt` with these settings"""
+    return lambda k, seed: sample_turns(llm, prompt, k, answer_prompt=answer_prompt, stop=stop,
+                                        turn_end=turn_end, max_tokens=max_tokens,
+                                        temperature=temperature, seed=seed, group=group)
 
 
 def _end_turn(sample: Sample, turn_end, decode) -> Sample:

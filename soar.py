@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import data
 import launch
+import lora
 import rloo
 import world
 
@@ -50,7 +51,7 @@ class Config:
     train: str = launch.flag("",
         "hard train split (jsonl/parquet, question/answer); \"\" = world's")
     out: str = launch.flag("runs/soar", "output folder; rerunning on it resumes")
-    seed: int = launch.flag(0, "every random draw derives from it (launch.seed_of)")
+    seed: int = launch.flag(0, "every random draw derives from it (rloo.seed_of)")
     # ---- outer loop (METHOD.md "Algorithm 1", "Hyperparameters"); the paper's g, n, r, M are
     # spelled out because torchrun would take --n, --r, --m as its own ----
     outer_steps: int = launch.flag(200, world=15, help="T", least=1)
@@ -198,6 +199,8 @@ def grounded(m: Measured) -> list[float]:
 
 @dataclasses.dataclass(frozen=True)
 class TeacherReward:
+    measure: object         # step 5: (cfg, run, Step, GroupStudents) -> (a Measured per X_k,
+                            # the promotion candidates this group kept, the most any rank keeps)
     score: object           # (Measured) -> X_k's row of R: one reward per student, or one
     trains_students: bool   # step 5 trains r students per X_k, so a step can promote one
                             # (METHOD.md "Promotion"); else it measures the baseline's solve rates
@@ -208,12 +211,13 @@ class TeacherReward:
 
 @dataclasses.dataclass
 class Step:
-    """What step 5 (measure) is given: the g datasets, Q_R and the baseline's Acc0 on it (this
-    student group's)."""
+    """What step 5 (measure) is given: the g datasets, Q_R, the baseline's Acc0 on it (this
+    student group's) and S."""
     index: int
     datasets: list          # g lists of n (question, answer) pairs: X_1..X_g
     q_r: list[dict]         # M hard train problems
     acc0: float
+    inner_steps: int        # S: each student's RLOO steps
 
 
 def main(cfg: Config):
@@ -226,18 +230,23 @@ def main(cfg: Config):
     if run is None:
         return
     state = run.state
+    # how the teacher writes a pair: one reply; with --teacher_turns 2, two (end of this file)
+    teacher_draw = (two_turns if cfg.teacher_turns == 2 else one_reply)(cfg, run)
+    # steps 4-5 on a group's students: one at a time; with LoRA all side by side (end of this file)
+    group_students = SIDE_BY_SIDE if cfg.lora_rank else ONE_AT_A_TIME
     for step in launch.steps(cfg, run):
         S = inner_steps(cfg, state["promotions"])   # this step's inner loop (a promotion: next's)
         # 1-2. the teacher samples g*n valid pairs (by rejection), split in order into X_1..X_g
-        kept, sampled = teacher_samples(cfg, run, step)
+        kept, sampled = teacher_samples(cfg, run, step, teacher_draw)
         datasets = split_datasets([pair for _, pair in kept], cfg.num_datasets)
         # 3-4. a fresh Q_R and the baseline's greedy accuracy on it
         q_r = sample_q_r(cfg, run, step)
-        acc0 = baseline_accuracy(cfg, run, q_r)
-        # 5. the g x r table R: grounded, R_kj = Acc(a student trained on X_k from theta) - Acc0;
-        # the intrinsic baselines, one column: X_k's mean reward (TEACHER_REWARDS)
-        measured, snaps, held = measure(cfg, run, Step(step, datasets, q_r, acc0),
-                                        teacher_reward.trains_students)
+        acc0 = group_students.baseline_accuracy(cfg, run, q_r)
+        # 5. the g x r table R: grounded, R_kj = Acc(a student trained on X_k from theta) - Acc0
+        # (measure_students -> trained_accuracies -> train_student); the intrinsic baselines, one
+        # column: X_k's mean reward (TEACHER_REWARDS)
+        measured, candidates, held = teacher_reward.measure(
+            cfg, run, Step(step, datasets, q_r, acc0, S), group_students)
         R = [teacher_reward.score(m) for m in measured]
         R_k = [sum(row) / len(row) for row in R]
         # 6-7. Rhat, MA, promotion (intrinsic baselines train no students, so they never promote)
@@ -246,10 +255,10 @@ def main(cfg: Config):
         # every rank must decide alike (a promotion is a collective): else stop, naming the ranks
         rloo.check_same(dict(R=R, reward=reward, ma=ma, chosen=chosen), f"step {step}'s decision")
         if chosen:
-            run.theta = promote(cfg, run, chosen, snaps)
+            run.theta = promote(cfg, run, chosen, candidates)
             state["promotions"] += 1
             state["pq"] += cfg.dataset_size
-        del snaps
+        del candidates
         # 8. teacher RLOO update: every completion of X_k gets A_k
         stats = teacher_update(cfg, run, kept, R_k)
         state["step"] = step + 1
@@ -272,28 +281,26 @@ def main(cfg: Config):
 # ---------------------------------------------------------------------------------------------
 # the pieces of one outer step, in the order of Algorithm 1
 
-def teacher_samples(cfg: Config, run, step: int) -> tuple[list, int]:
+def teacher_samples(cfg: Config, run, step: int, draw) -> tuple[list, int]:
     """Steps 1-2: g*n valid pairs from the teacher, by rejection sampling on all W engines
-    (METHOD.md "Format filter"); round i draws from seed_of(seed, step, "teacher", i). Returns the
-    kept (Sample, (question, answer)) in sampling order and the number of samples drawn; with
-    --teacher_turns 2, a sample is its two turns (rloo.sample_turns), filtered as one text."""
+    (METHOD.md "Format filter"): draw(k, seed) (one_reply) writes k samples, round i from
+    seed_of(seed, step, "teacher", i). Returns the kept (sample, (question, answer)) in sampling
+    order and the number of samples drawn."""
     with rloo.timed("teacher_generation"):
         with rloo.timed("sync"):
             rloo.sync_weights(run.teacher, run.llm)
-        seeds = [launch.seed_of(cfg.seed, step, "teacher", i)
+        seeds = [rloo.seed_of(cfg.seed, step, "teacher", i)
                  for i in range(cfg.max_rejection_rounds)]
-        return rloo.sample_until(run.llm, data.teacher_prompt(run.tok),
-                                 need=cfg.num_datasets * cfg.dataset_size,
+        return rloo.sample_until(draw, need=cfg.num_datasets * cfg.dataset_size,
                                  parse=data.parse_teacher_batch, round_seeds=seeds,
-                                 max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,
-                                 what=TEACHER_FILTER.format(step=step), group=dist.group.WORLD,
-                                 answer_prompt=answer_prompt(cfg, run.tok),
-                                 stop=data.QUESTION_STOP, turn_end=data.question_end)
+                                 what=TEACHER_FILTER.format(step=step), group=dist.group.WORLD)
 
 
-def answer_prompt(cfg: Config, tok) -> list[int] | None:
-    """p' of the two-turn teacher (--teacher_turns 2, data.answer_prompt); None: one turn"""
-    return data.answer_prompt(tok, cfg.answer_prompt) if cfg.teacher_turns == 2 else None
+def one_reply(cfg: Config, run):
+    """how the teacher writes (rloo.sample_until's draw): a question and its answer in one reply
+    to the teacher prompt, sampled on all W engines"""
+    return rloo.samples_of(run.llm, data.teacher_prompt(run.tok), max_tokens=cfg.teacher_max_tokens,
+                           temperature=cfg.temperature, group=dist.group.WORLD)
 
 
 def split_datasets(pairs: list, g: int) -> list[list]:
@@ -304,108 +311,98 @@ def split_datasets(pairs: list, g: int) -> list[list]:
 
 def sample_q_r(cfg: Config, run, step: int) -> list[dict]:
     """Step 3: a fresh Q_R of M hard train problems"""
-    rng = random.Random(launch.seed_of(cfg.seed, step, "q_r"))
+    rng = random.Random(rloo.seed_of(cfg.seed, step, "q_r"))
     return data.sample_questions(run.hard, cfg.qr_size, rng)
 
 
 def baseline_accuracy(cfg: Config, run, q_r: list[dict]) -> float:
     """Step 4: Acc0, the baseline student's greedy accuracy on Q_R, once per step and student group:
     on the group's own engines, as its trained students are measured (greedy bf16 decoding is not
-    batch-invariant: Acc0 from other engines or batches could differ by more than tau). With LoRA
-    the group's first wave (trained_accuracies), all at theta, in one call as its students are
-    measured (same batch shape and order, METHOD.md "Algorithm 1"): Acc0 is the first's."""
-    policies = run.wave[:max(1, len(my_students(cfg, run)))]
-    for policy in policies:
-        rloo.restore(policy, run.theta)
-    return accuracies(cfg, run, q_r, policies)[0]
+    batch-invariant: Acc0 from other engines or batches could differ by more than tau)."""
+    rloo.restore(run.student, run.theta)
+    return accuracy(cfg, run, q_r, run.student)
 
 
-def accuracies(cfg: Config, run, questions: list[dict], policies: list):
-    """Each policy's greedy accuracy (METHOD.md "Rewards": Acc is binary, greedy) on the group's
-    engines, all in one engine call (several policies: LoRA adapters, rloo.requests_of)."""
+def accuracy(cfg: Config, run, questions: list[dict], policy) -> float:
+    """A policy's greedy accuracy (METHOD.md "Rewards": Acc is binary, greedy), on the group's
+    engines"""
     with rloo.timed("sync"):
-        served = [rloo.sync_weights(policy, run.llm) for policy in policies]
-    M = len(questions)
+        rloo.sync_weights(policy, run.llm)
     with rloo.timed("evaluation"):
-        counts = rloo.count_correct(run.llm, questions * len(policies), prompt=data.student_prompt,
+        counts = rloo.count_correct(run.llm, questions, prompt=data.student_prompt,
                                     correct=data.solved, n=1, temperature=0.0,
                                     max_tokens=cfg.student_max_tokens, seed=0,
-                                    adapters=rloo.requests_of(served, [M] * len(policies)),
                                     group=run.mesh["fsdp"].get_group())
-    return [sum(counts[b * M:(b + 1) * M]) / M for b in range(len(policies))]
+    return sum(counts) / len(questions)
 
 
-def train_students(cfg: Config, run, wave: list[tuple[int, int]], step: Step) -> list:
-    """The students (k, j) of `wave` (METHOD.md "Inner loop"), each S RLOO steps from theta with a
-    fresh optimizer, on batches of its X_k in a shuffled order, on the group's engines. They train
-    in lockstep, one policy each (run.wave): each inner step samples all their rollouts in one
-    engine call. Returns the policies."""
-    S = inner_steps(cfg, run.state["promotions"])
-    policies = run.wave[:len(wave)]
-    orders = []
-    for policy, (k, j) in zip(policies, wave):
-        rloo.restore(policy, run.theta)
-        rloo.reset_optimizer(policy, lr=cfg.student_lr, warmup_steps=0, total_steps=S)
-        order = list(range(len(step.datasets[k])))
-        random.Random(launch.seed_of(cfg.seed, step.index, "order", k, j)).shuffle(order)
-        orders.append(order)
-    Q = cfg.student_questions
-    for s in range(S):
-        batches = [[step.datasets[k][order[(s * Q + i) % len(order)]] for i in range(Q)]
-                   for (k, _), order in zip(wave, orders)]
-        k, j = wave[0]   # request i of the call is sampled with this seed + i * n (rloo.generate)
-        rloo.rl_steps(policies, run.llm, batches, prompt=data.student_prompt, reward=data.grade,
-                      samples=cfg.student_samples, temperature=cfg.temperature,
-                      max_tokens=cfg.student_max_tokens,
-                      seed=launch.seed_of(cfg.seed, step.index, "student", k, j, s),
-                      group=run.mesh["fsdp"].get_group(),
-                      micro_batch_tokens=cfg.micro_batch_tokens,
-                      advantages=rloo.rloo_advantages, loss=rloo.rloo_loss)
-    return policies
+def measure_students(cfg: Config, run, step: Step, students) -> tuple[list, dict, int]:
+    """Step 5 of SOAR's reward: each group trains and measures its share of the g*r students
+    (students.trained_accuracies: one at a time, or LoRA's side by side). Returns, on every rank,
+    what was measured of each X_k (its students' Acc, and the Acc0 of the group that trained each:
+    step.acc0 there), the promotion candidates this group kept and the most any rank keeps."""
+    accs, candidates = students.trained_accuracies(cfg, run, step)
+    held = sum(snap is not None for snap in candidates.values())
+    parts = rloo.all_gather(({kj: (acc, step.acc0) for kj, acc in accs.items()}, held))
+    table = {kj: pair for part, _ in parts for kj, pair in part.items()}
+    measured = [Measured(X, [table[k, j][0] for j in range(cfg.students)],
+                         [table[k, j][1] for j in range(cfg.students)], [], [])
+                for k, X in enumerate(step.datasets)]
+    return measured, candidates, max(n for _, n in parts)
 
 
-def measure(cfg: Config, run, step: Step, trains_students: bool):
-    """Step 5's measurements of each X_k (Measured): the Acc of its r students, trained here, or,
-    for a baseline's reward, what measure_baseline measures. Returns them, the promotion candidates
-    this group must keep and the most any rank keeps (trained_accuracies)."""
-    if not trains_students:
-        return measure_baseline(cfg, run, step), {}, 0
-    accs, acc0s, snaps, held = trained_accuracies(cfg, run, step)
-    measured = [Measured(X, X_accs, X_acc0s, [], [])
-                for X, X_accs, X_acc0s in zip(step.datasets, accs, acc0s)]
-    return measured, snaps, held
-
-
-def trained_accuracies(cfg: Config, run, step: Step):
-    """Each group trains its share of the g*r students and measures each on Q_R, in waves of
-    len(run.wave): one student at a time with full fine-tuning, all of them at once with LoRA
-    (train_students). Returns, on every rank, the g x r tables of their Acc and of the Acc0 of
-    the group that trained each (step.acc0 there), the promotion candidates this group must keep
-    and the most any rank keeps. The student last_trained stays in run.student until the decision;
-    the others are snapshots in host RAM, kept only if a promotion is possible this step
-    (can_promote)."""
+def trained_accuracies(cfg: Config, run, step: Step) -> tuple[dict, dict]:
+    """This group's students (my_students), one at a time in run.student: each trained
+    (train_student), then its Acc on Q_R measured. Returns {(k, j): Acc} and the promotion
+    candidates kept, only if this step can promote (can_promote): a snapshot in host RAM of each
+    student but the last, which stays in run.student until the decision (None)."""
     keep = can_promote(cfg, run.state["history"])
-    last = last_trained(cfg, run)
-    acc = {}
-    snaps = {}
     mine = my_students(cfg, run)
-    for wave in [mine[i:i + len(run.wave)] for i in range(0, len(mine), len(run.wave))]:
+    accs = {}
+    candidates = {}
+    for k, j in mine:
         with rloo.timed("student_training"):
-            policies = train_students(cfg, run, wave, step)
-        accs = accuracies(cfg, run, step.q_r, policies)
-        for (k, j), policy, a in zip(wave, policies, accs):
-            acc[k, j] = (a, step.acc0)
-            if keep and (k, j) != last:
-                snaps[k, j] = rloo.snapshot(policy)
-    parts = rloo.all_gather((acc, len(snaps)))
-    acc = {kj: v for part, _ in parts for kj, v in part.items()}
-    acc_table = [[acc[k, j][0] for j in range(cfg.students)] for k in range(cfg.num_datasets)]
-    acc0_table = [[acc[k, j][1] for j in range(cfg.students)] for k in range(cfg.num_datasets)]
-    return acc_table, acc0_table, snaps, max(n for _, n in parts)
+            train_student(cfg, run, step, k, j)
+        accs[k, j] = accuracy(cfg, run, step.q_r, run.student)
+        if keep:
+            candidates[k, j] = rloo.snapshot(run.student) if (k, j) != mine[-1] else None
+    return accs, candidates
+
+
+def train_student(cfg: Config, run, step: Step, k: int, j: int) -> None:
+    """Student j of X_k (METHOD.md "Inner loop"): run.student trained from theta with a fresh
+    optimizer (cosine over S, no warmup), one RLOO step per batch of student_batches, sampled on
+    the group's engines"""
+    batches = student_batches(cfg, step, k, j)
+    rloo.restore(run.student, run.theta)
+    rloo.reset_optimizer(run.student, lr=cfg.student_lr, warmup_steps=0, total_steps=len(batches))
+    for batch, seed in batches:
+        rloo.rl_step(run.student, run.llm, batch, seed=seed, **student_rl(cfg, run))
+
+
+def student_batches(cfg: Config, step: Step, k: int, j: int) -> list[tuple[list, int]]:
+    """What student (k, j) trains on in each of its S inner steps: Q pairs of X_k, taken in a
+    shuffled order (again from the start when it runs out), and the seed of the step's rollouts"""
+    X = step.datasets[k]
+    order = list(range(len(X)))
+    random.Random(rloo.seed_of(cfg.seed, step.index, "order", k, j)).shuffle(order)
+    Q = cfg.student_questions
+    return [([X[order[(s * Q + i) % len(order)]] for i in range(Q)],
+             rloo.seed_of(cfg.seed, step.index, "student", k, j, s))
+            for s in range(step.inner_steps)]
+
+
+def student_rl(cfg: Config, run) -> dict:
+    """how a student's RL step samples, scores and learns (rloo.rl_step): the student prompt, graded
+    by data.grade, student_samples a question, RLOO"""
+    return dict(prompt=data.student_prompt, reward=data.grade, samples=cfg.student_samples,
+                temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
+                group=run.mesh["fsdp"].get_group(), micro_batch_tokens=cfg.micro_batch_tokens,
+                advantages=rloo.rloo_advantages, loss=rloo.rloo_loss)
 
 
 def students(cfg: Config) -> list[tuple[int, int]]:
-    """the (k, j) of every student of a step; group i trains students[i::G] (trained_accuracies)"""
+    """the (k, j) of every student of a step; group i trains students[i::G]"""
     return [(k, j) for k in range(cfg.num_datasets) for j in range(cfg.students)]
 
 
@@ -414,22 +411,28 @@ def my_students(cfg: Config, run) -> list[tuple[int, int]]:
     return students(cfg)[run.mesh.get_local_rank("group")::run.mesh["group"].size()]
 
 
-def last_trained(cfg: Config, run) -> tuple[int, int]:
-    """the (k, j) left in run.student by trained_accuracies: the first of the group's last wave"""
-    mine = my_students(cfg, run)
-    return mine[(len(mine) - 1) // len(run.wave) * len(run.wave)]
+@dataclasses.dataclass(frozen=True)
+class GroupStudents:
+    """how a student group measures Acc0 (step 4) and trains and measures its students (step 5)"""
+    baseline_accuracy: object    # (cfg, run, q_r) -> Acc0
+    trained_accuracies: object   # (cfg, run, step) -> ({(k, j): Acc}, promotion candidates)
 
 
-def promote(cfg: Config, run, chosen, snaps) -> dict:
+ONE_AT_A_TIME = GroupStudents(baseline_accuracy, trained_accuracies)
+
+
+def promote(cfg: Config, run, chosen, candidates: dict) -> dict:
     """theta := the chosen student (METHOD.md "Promotion"): its group broadcasts its shards to all.
-    The group holds it as a snapshot, or still in its model if the group trained it last."""
+    Its group kept it as a snapshot, or (None) it is still in run.student."""
     src = students(cfg).index(chosen) % run.mesh["group"].size()   # the group that trained it
     theta = run.theta
     if run.mesh.get_local_rank("group") == src:
-        if chosen not in snaps and chosen != last_trained(cfg, run):
+        if chosen not in candidates:
             raise RuntimeError(f"promote: student {chosen} was not kept (can_promote assumed a "
                                f"step reward of at most 1; --reward {cfg.reward} gave more)")
-        theta = snaps[chosen] if chosen in snaps else rloo.snapshot(run.student)
+        theta = candidates[chosen]
+        if theta is None:   # the group's last student: still in run.student
+            theta = rloo.snapshot(run.student)
     with rloo.timed("sync"):
         rloo.broadcast_snapshot(theta, src, run.mesh["group"].get_group())
     return theta
@@ -480,16 +483,17 @@ OPENSIR_DIVERSITY = 0.5     # weight of novelty, 1 - max cosine similarity to an
 OPENSIR_ARCHIVE = 1024      # novelty compares to the teacher's latest valid questions (past steps)
 
 
-def measure_baseline(cfg: Config, run, step: Step) -> list[Measured]:
+def measure_baseline(cfg: Config, run, step: Step, students=None) -> tuple[list, dict, int]:
     """Step 5 for a baseline's reward: the baseline student's solve rate on each question of X_k,
     and its novelty against the archive (which is in the run's state, and so in the checkpoint,
-    and then takes this step's questions)"""
+    and then takes this step's questions). No students are trained, so none are kept."""
     questions, rates = solve_rates(cfg, run, step)
     novelties = data.novelty(questions, run.state["archive"])
     run.state["archive"] = (run.state["archive"] + questions)[-OPENSIR_ARCHIVE:]
     g = cfg.num_datasets
-    return [Measured(X, [], [], X_rates, X_novelties) for X, X_rates, X_novelties
-            in zip(step.datasets, split_datasets(rates, g), split_datasets(novelties, g))]
+    measured = [Measured(X, [], [], X_rates, X_novelties) for X, X_rates, X_novelties
+                in zip(step.datasets, split_datasets(rates, g), split_datasets(novelties, g))]
+    return measured, {}, 0
 
 
 def solve_rates(cfg: Config, run, step: Step) -> tuple[list[str], list[float]]:
@@ -500,7 +504,7 @@ def solve_rates(cfg: Config, run, step: Step) -> tuple[list[str], list[float]]:
         counts = rloo.count_correct(run.llm, flat, prompt=data.student_prompt, correct=data.solved,
                                     n=cfg.learnability_samples, group=dist.group.WORLD,
                                     temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
-                                    seed=launch.seed_of(cfg.seed, step.index, "learnability"))
+                                    seed=rloo.seed_of(cfg.seed, step.index, "learnability"))
     return [q["question"] for q in flat], [c / cfg.learnability_samples for c in counts]
 
 
@@ -530,9 +534,74 @@ def opensir_reward(m: Measured) -> list[float]:
 # --reward: how the teacher's datasets are scored (step 5). A new reward is one entry here and its
 # name in Config.reward's choices (argparse checks the flag before this table exists; a test checks
 # that the two agree).
-TEACHER_REWARDS = {"grounded": TeacherReward(grounded, trains_students=True),
-                   "learnability": TeacherReward(learnability_reward, trains_students=False),
-                   "opensir": TeacherReward(opensir_reward, trains_students=False)}
+TEACHER_REWARDS = {
+    "grounded": TeacherReward(measure_students, grounded, trains_students=True),
+    "learnability": TeacherReward(measure_baseline, learnability_reward, trains_students=False),
+    "opensir": TeacherReward(measure_baseline, opensir_reward, trains_students=False)}
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (METHOD.md "LoRA"): a group's students are adapters on one frozen base (run.adapters, the
+# first is run.student), trained side by side: each inner step samples all their rollouts in one
+# engine call, with the seeds of the group's first student (request i: seed + i * samples).
+
+def side_by_side_baseline_accuracy(cfg: Config, run, q_r: list[dict]) -> float:
+    """Step 4 with LoRA: Acc0 measured as the group's students are, all its adapters at theta in
+    one engine call (the same batch shape and order); Acc0 is the first's"""
+    policies = run.adapters[:len(my_students(cfg, run))]
+    for policy in policies:
+        rloo.restore(policy, run.theta)
+    return adapter_accuracies(cfg, run, q_r, policies)[0]
+
+
+def side_by_side_trained_accuracies(cfg: Config, run, step: Step) -> tuple[dict, dict]:
+    """trained_accuracies with LoRA: the group's students trained side by side, then measured in
+    one engine call; the first stays in run.student"""
+    keep = can_promote(cfg, run.state["history"])
+    mine = my_students(cfg, run)
+    policies = run.adapters[:len(mine)]
+    plans = [student_batches(cfg, step, k, j) for k, j in mine]
+    with rloo.timed("student_training"):
+        for policy in policies:
+            rloo.restore(policy, run.theta)
+            rloo.reset_optimizer(policy, lr=cfg.student_lr, warmup_steps=0,
+                                 total_steps=len(plans[0]))
+        for s in range(len(plans[0])):
+            lora.rl_steps(policies, run.llm, [plan[s][0] for plan in plans], seed=plans[0][s][1],
+                          **student_rl(cfg, run))
+    accs = adapter_accuracies(cfg, run, step.q_r, policies)
+    candidates = {}
+    if keep:
+        candidates = {kj: rloo.snapshot(policy) if i else None
+                      for i, (kj, policy) in enumerate(zip(mine, policies))}
+    return dict(zip(mine, accs)), candidates
+
+
+def adapter_accuracies(cfg: Config, run, questions: list[dict], policies: list) -> list[float]:
+    """accuracy of several adapters, in one engine call"""
+    with rloo.timed("evaluation"):
+        return lora.accuracies(policies, run.llm, questions, prompt=data.student_prompt,
+                               correct=data.solved, n=1, temperature=0.0,
+                               max_tokens=cfg.student_max_tokens, seed=0,
+                               group=run.mesh["fsdp"].get_group())
+
+
+SIDE_BY_SIDE = GroupStudents(side_by_side_baseline_accuracy, side_by_side_trained_accuracies)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The two-turn teacher (METHOD.md "Two-turn teacher", --teacher_turns 2): the question, then its
+# answer in a second turn after the prompt p' (data.answer_prompt); a sample is its two turns,
+# filtered as one text, and the teacher update trains both (rloo.turns)
+
+def two_turns(cfg: Config, run):
+    """one_reply in two turns: turn 1 ends where its question does (data.question_end)"""
+    return rloo.turns_of(run.llm, data.teacher_prompt(run.tok),
+                         answer_prompt=data.answer_prompt(run.tok, cfg.answer_prompt),
+                         stop=data.QUESTION_STOP, turn_end=data.question_end,
+                         max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,
+                         group=dist.group.WORLD)
 
 
 if __name__ == "__main__":

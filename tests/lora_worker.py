@@ -41,7 +41,7 @@ def engine_vs_trainer(llm, served, seed):
 
 
 def lockstep(llm, student, theta, base, mesh):
-    """Two students from theta, one RL step each: in one multi-adapter call (rloo.rl_steps, as
+    """Two students from theta, one RL step each: in one multi-adapter call (lora.rl_steps, as
     soar.py's LoRA students train), then again one after another, each with the seeds its requests
     had in the shared call. Returns both runs' rewards and the largest adapter difference."""
     import lora
@@ -58,7 +58,7 @@ def lockstep(llm, student, theta, base, mesh):
             rloo.reset_optimizer(policy, **{k: OPTS[k] for k in ("lr", "warmup_steps",
                                                                  "total_steps")})
         if together:
-            stats = rloo.rl_steps([student, other], llm, batches, seed=20, **kw)
+            stats = lora.rl_steps([student, other], llm, batches, seed=20, **kw)
         else:
             stats = [rloo.rl_step(student, llm, batches[0], seed=20, **kw),
                      rloo.rl_step(other, llm, batches[1],

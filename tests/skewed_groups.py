@@ -19,15 +19,21 @@ import soar  # noqa: E402
 import world  # noqa: E402
 
 MODE = os.environ.get("SKEW")
-ACCURACIES = soar.accuracies
+ACCURACY = soar.accuracy
+ADAPTER_ACCURACIES = soar.adapter_accuracies   # with LoRA
 DECIDE = soar.decide
 
 
-def skewed_accuracies(cfg, run, questions, policies):
-    accs = ACCURACIES(cfg, run, questions, policies)
-    if MODE == "accuracy" and run.mesh.get_local_rank("group") == 1:
-        accs = [a + 1 / len(questions) for a in accs]
-    return accs
+def skew(run, questions) -> float:
+    return 1 / len(questions) if MODE == "accuracy" and run.mesh.get_local_rank("group") == 1 else 0
+
+
+def skewed_accuracy(cfg, run, questions, policy):
+    return ACCURACY(cfg, run, questions, policy) + skew(run, questions)
+
+
+def skewed_adapter_accuracies(cfg, run, questions, policies):
+    return [a + skew(run, questions) for a in ADAPTER_ACCURACIES(cfg, run, questions, policies)]
 
 
 def recorded_decide(history, R, window, tau):
@@ -42,6 +48,7 @@ def recorded_decide(history, R, window, tau):
 
 
 if __name__ == "__main__":   # (data.grade's workers import this file again)
-    soar.accuracies = skewed_accuracies
+    soar.accuracy = skewed_accuracy
+    soar.adapter_accuracies = skewed_adapter_accuracies
     soar.decide = recorded_decide
     launch.main("soar.py", lambda: soar.main(world.resolve(soar.parse_args())))

@@ -60,7 +60,7 @@ def test_the_engine_serves_each_adapter_as_trained(runs):
 
 
 def test_students_in_one_call_equal_students_in_turn(runs):
-    """rloo.rl_steps: two adapters' rollouts in one engine call, then an update each, as one
+    """lora.rl_steps: two adapters' rollouts in one engine call, then an update each, as one
     rl_step after the other with the same request seeds: the same samples, the same adapters"""
     for res in [runs["one"], *runs["two"]]:
         lockstep = res["lockstep"]
@@ -127,14 +127,14 @@ def test_peft_loads_our_adapter_folder(runs):
 
 
 def test_one_engine_call_holds_several_policies_only_as_adapters():
-    """rloo.requests_of: each request names its policy's adapter (what its sync returned); one
+    """lora.requests_of: each request names its policy's adapter (what its sync returned); one
     policy needs none (the engine serves what was synced last); several full fine-tuned policies
     (synced as the engine's weights, None) cannot share a call"""
-    assert rloo.requests_of(["a", "b"], [2, 1]) == ["a", "a", "b"]
-    assert rloo.requests_of(["a"], [3]) is None
-    assert rloo.requests_of([None], [3]) is None
+    assert lora.requests_of(["a", "b"], [2, 1]) == ["a", "a", "b"]
+    assert lora.requests_of(["a"], [3]) is None
+    assert lora.requests_of([None], [3]) is None
     with pytest.raises(ValueError, match="LoRA"):
-        rloo.requests_of(["a", None], [1, 1])
+        lora.requests_of(["a", None], [1, 1])
 
 
 def bench():

@@ -517,9 +517,9 @@ def test_evolution_runs_the_operators_its_flags_name(tmp_path):
         path = tmp_path / "evolve" / "ckpt" / f"step-{step}" / f"s{j}" / "adapter.pt"
         return torch.load(path, weights_only=True)["adapter"]
 
-    seed = pl.launch.seed_of(0, 1, "students", "crossover")
+    seed = pl.rloo.seed_of(0, 1, "students", "crossover")
     child = pl.crossover_dare(adapter_at(1, best), adapter_at(1, second), 0.5, seed)
-    child = pl.mutate_svd(child, 0.5, pl.launch.seed_of(0, 1, "students", "mutation"))
+    child = pl.mutate_svd(child, 0.5, pl.rloo.seed_of(0, 1, "students", "mutation"))
     saved = adapter_at(2, loser)
     assert all(torch.allclose(saved[n], child[n], atol=1e-6) for n in child)
 

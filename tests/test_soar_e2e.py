@@ -254,11 +254,12 @@ def test_two_turn_teacher_trains_both_turns(opensir_two_turns):
     code = ("import json, sys, data, launch, rloo, world; rloo.init_distributed(); "
             "model = world.build_world(small=True)['model']; tok = launch.tokenizer(model); "
             "llm = rloo.build_engine(model, max_model_len=320); "
-            "seeds = [launch.seed_of(0, 0, 'teacher', i) for i in range(8)]; "
-            "kept, _ = rloo.sample_until(llm, data.teacher_prompt(tok), need=8, "
-            "parse=data.parse_teacher_batch, round_seeds=seeds, max_tokens=96, temperature=1.0, "
-            "what='', answer_prompt=data.answer_prompt(tok, 'tag'), stop=data.QUESTION_STOP, "
+            "seeds = [rloo.seed_of(0, 0, 'teacher', i) for i in range(8)]; "
+            "draw = rloo.turns_of(llm, data.teacher_prompt(tok), max_tokens=96, temperature=1.0, "
+            "answer_prompt=data.answer_prompt(tok, 'tag'), stop=data.QUESTION_STOP, "
             "turn_end=data.question_end); "
+            "kept, _ = rloo.sample_until(draw, need=8, parse=data.parse_teacher_batch, "
+            "round_seeds=seeds, what=''); "
             "print('KEPT', json.dumps([[pair, [[len(t.prompt_token_ids), len(t.token_ids)] "
             "for t in s]] for s, pair in kept]))")
     g = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -79,9 +79,9 @@ def test_can_promote_only_when_the_window_can_pass_tau():
 
 
 def test_a_chosen_student_that_was_not_kept_is_an_error():
-    """promote on a group (here the only one, one student a wave) that kept no snapshot of the
-    chosen student, as after a reward above 1 that can_promote did not foresee: an error, not the
-    last-trained student in its place. The last-trained one needs no snapshot."""
+    """promote on a group (here the only one) that kept no snapshot of the chosen student, as after
+    a reward above 1 that can_promote did not foresee: an error, not another student in its place.
+    The group's last student needs no snapshot: it is still in run.student (None)."""
     class Mesh:   # one group of one rank
         def __getitem__(self, name):
             return self
@@ -93,10 +93,10 @@ def test_a_chosen_student_that_was_not_kept_is_an_error():
             return 0
 
     cfg = Config(num_datasets=2, students=2)
-    run = type("Run", (), dict(mesh=Mesh(), wave=["policy"], theta={}))()
-    assert soar.last_trained(cfg, run) == (1, 1)
+    run = type("Run", (), dict(mesh=Mesh(), theta={}))()
+    assert soar.my_students(cfg, run) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     with pytest.raises(RuntimeError, match=r"student \(0, 1\) was not kept"):
-        soar.promote(cfg, run, (0, 1), snaps={(1, 0): {}})
+        soar.promote(cfg, run, (0, 1), candidates={(1, 0): {}, (1, 1): None})
 
 
 def test_settings_that_cannot_work_are_named_by_flag():
@@ -179,7 +179,8 @@ def test_the_engine_is_sized_for_an_inner_step(monkeypatch):
     cfg = Config()
     seqs = launch.step_sequences(cfg, 32, 16, 1)
     assert seqs == 8 * 32 // 2 == 128
-    assert launch.step_sequences(Config(lora_rank=32), 8, 8, 2) == 2 * 8 * 32   # a LoRA wave of 2
+    # LoRA: a group's 2 students at once
+    assert launch.step_sequences(Config(lora_rank=32), 8, 8, 2) == 2 * 8 * 32
     assert rloo.step_engine_args(seqs, 128) == {}   # CPU: build_engine's own settings
     monkeypatch.setattr(rloo.torch.cuda, "is_available", lambda: True)
     assert rloo.step_engine_args(seqs, 128) == dict(max_num_seqs=128, max_num_batched_tokens=16384)
@@ -225,9 +226,9 @@ def test_learnability_reward():
 
 
 def test_seeds_are_stable_and_distinct():
-    assert launch.seed_of(3, 5, "teacher", 0) == launch.seed_of(3, 5, "teacher", 0) != \
-        launch.seed_of(4, 5, "teacher", 0)
-    assert len({launch.seed_of(3, s, "student", k) for s in range(20) for k in range(4)}) == 80
+    assert rloo.seed_of(3, 5, "teacher", 0) == rloo.seed_of(3, 5, "teacher", 0) != \
+        rloo.seed_of(4, 5, "teacher", 0)
+    assert len({rloo.seed_of(3, s, "student", k) for s in range(20) for k in range(4)}) == 80
 
 
 def test_restore_rows_puts_back_what_the_checkpoint_committed(tmp_path, capsys):
