@@ -1062,15 +1062,22 @@ def passk_keys(results: list[dict]) -> list[str]:
     return sorted({k for r in results for k in r["passk"]}, key=lambda k: int(k[5:]))
 
 
+# the rows every row is paired with in the report's table (by seed), and their names there
+PAIRED_WITH = {"hard-only": "Hard-Only", "base-t": "Base-T"}
+
+
 def table(results: list[dict], test: str) -> list[str]:
     """Tables 4-6: rows = methods (paper's order); columns = pass@k in % (mean ± std over seeds),
-    the top k's pass@k minus Hard-Only's (paired by seed, 95% bootstrap CI), the step of the number
+    the top k's pass@k minus Hard-Only's and minus Base-T's (paired_delta), the step of the number
     (early stop, fixed, last window), non-trivial: the share of groups with a reward signal."""
     rs = [r for r in results if r["test"] == test]
     ks = passk_keys(rs)
-    ref = {r["seed"]: r["passk"][ks[-1]] for r in rs if r["method"] == "hard-only"}
-    lines = [f"## pass@k (%) on `{test}`", "", "| method | " + " | ".join(ks) + f" | {ks[-1]} - "
-             "Hard-Only [95% CI] | seeds | step | non-trivial |", "|---|" + "---|" * (len(ks) + 4)]
+    refs = {ref: {r["seed"]: r["passk"][ks[-1]] for r in rs if r["method"] == ref}
+            for ref in PAIRED_WITH}
+    paired = " | ".join(f"{ks[-1]} - {name} [95% CI]" for name in PAIRED_WITH.values())
+    lines = [f"## pass@k (%) on `{test}`", "",
+             "| method | " + " | ".join(ks) + f" | {paired} | seeds | step | non-trivial |",
+             "|---|" + "---|" * (len(ks) + len(PAIRED_WITH) + 3)]
     for m in ordered({r["method"] for r in rs}):
         mr = [r for r in rs if r["method"] == m]
         cells = ["{:.1f} ± {:.1f}".format(*mean_std([100 * r["passk"][k] for r in mr
@@ -1079,13 +1086,25 @@ def table(results: list[dict], test: str) -> list[str]:
         step = f"{statistics.fmean(steps):.0f} ({mr[0]['rule']})" if steps else "-"
         shares = [100 * r["nontrivial_share"] for r in mr if r.get("nontrivial_share") is not None]
         share = "{:.0f} ± {:.0f}%".format(*mean_std(shares)) if shares else "-"
-        diffs = [100 * (r["passk"][ks[-1]] - ref[r["seed"]]) for r in mr
-                 if r["seed"] in ref and ks[-1] in r["passk"]]
-        delta = "{:+.1f} [{:+.1f}, {:+.1f}]".format(statistics.fmean(diffs), *paired_ci(diffs)) \
-            if diffs and m != "hard-only" else "-"
-        lines.append(f"| {m} | " + " | ".join(cells)
-                     + f" | {delta} | {len(mr)} | {step} | {share} |")
+        deltas = [paired_delta(mr, refs[ref], ks[-1]) if m != ref else "-" for ref in PAIRED_WITH]
+        lines.append(f"| {m} | " + " | ".join(cells + deltas)
+                     + f" | {len(mr)} | {step} | {share} |")
     return lines + [""]
+
+
+def paired_delta(rows: list[dict], ref: dict, k: str) -> str:
+    """the rows' pass@k minus the reference's ({seed: pass@k}), paired by seed, in points
+    (mean_ci)"""
+    return mean_ci([100 * (r["passk"][k] - ref[r["seed"]]) for r in rows
+                    if r["seed"] in ref and k in r["passk"]])
+
+
+def mean_ci(diffs: list[float]) -> str:
+    """a table's cell: the mean of paired differences and its 95% bootstrap CI (paired_ci); "-"
+    without any"""
+    if not diffs:
+        return "-"
+    return "{:+.1f} [{:+.1f}, {:+.1f}]".format(statistics.fmean(diffs), *paired_ci(diffs))
 
 
 def plot_curves(results: list[dict], path: str) -> bool:
@@ -1232,11 +1251,7 @@ def population_table(results: list[dict]) -> list[str]:
         pairs = [(p, 100 * single[test, r["seed"]]["passk"][k])
                  for r, p in zip(runs, member_passk) if (test, r["seed"]) in single]
         base = "{:.1f} ± {:.1f}".format(*mean_std([b for _, b in pairs])) if pairs else "-"
-        deltas = []
-        for f in (statistics.fmean, min):
-            diffs = [f(p) - b for p, b in pairs]
-            deltas.append("{:+.1f} [{:+.1f}, {:+.1f}]".format(statistics.fmean(diffs),
-                                                              *paired_ci(diffs)) if diffs else "-")
+        deltas = [mean_ci([f(p) - b for p, b in pairs]) for f in (statistics.fmean, min)]
         lines.append(f"| {os.path.basename(test)} | {len(runs)} | " + " | ".join(cells)
                      + f" | {base} | " + " | ".join(deltas) + " |")
     return lines + [""]

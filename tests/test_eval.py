@@ -351,6 +351,8 @@ def test_report_table_and_plots(tmp_path):
         write(str(runs / "hard-only" / f"seed{seed}" / "result.json"),
               dict(method="hard-only", test="t.jsonl", seed=seed,
                    passk={"pass@1": 0.0, "pass@32": p32}))
+    write(str(runs / "base-t" / "seed1" / "result.json"),   # one seed: pq pairs with it once
+          dict(method="base-t", test="t.jsonl", seed=1, passk={"pass@1": 0.0, "pass@32": 0.15}))
     away, gets = ("Tom has 9 apples. He gives away {}. How many apples does he have now?",
                   "Tom has 9 apples. He gets {} more. How many apples does he have now?")
     for d, reward in ((soar_dir, "grounded"), (tmp_path / "soar-s1", "grounded"),
@@ -381,13 +383,15 @@ def test_report_table_and_plots(tmp_path):
         wandb.teardown()   # the service writes a finished run's .wandb file when it closes the run,
         #                    which may come after finish() returns: teardown waits for it
     lines = text.splitlines()
-    assert ("| method | pass@1 | pass@32 | pass@32 - Hard-Only [95% CI] | seeds | step "
-            "| non-trivial |") in lines
+    assert ("| method | pass@1 | pass@32 | pass@32 - Hard-Only [95% CI] "
+            "| pass@32 - Base-T [95% CI] | seeds | step | non-trivial |") in lines
     rows = [x for x in lines if x.startswith("| base") or x.startswith("| pq")]
-    # the paper's order
-    assert rows[0].startswith("| base | 0.5 ± 0.0 | 5.0 ± 0.0 | -5.0 [-5.0, -5.0] | 1 |")
-    assert rows[1].startswith(f"| pq | 2.0 ± {100 * np.std([0.01, 0.03], ddof=1):.1f} "
-                              "| 20.0 ± 0.0 | +10.0 [+10.0, +10.0] | 2 | 10")
+    # the paper's order; each row paired by seed with Hard-Only and with Base-T (where a seed
+    # has both)
+    assert rows[0].startswith("| base | 0.5 ± 0.0 | 5.0 ± 0.0 | -5.0 [-5.0, -5.0] | - | 1 |")
+    assert rows[1].startswith("| base-t | 0.0 ± 0.0 | 15.0 ± 0.0 | +5.0 [+5.0, +5.0] | - | 1 |")
+    assert rows[2].startswith(f"| pq | 2.0 ± {100 * np.std([0.01, 0.03], ddof=1):.1f} "
+                              "| 20.0 ± 0.0 | +10.0 [+10.0, +10.0] | +5.0 [+5.0, +5.0] | 2 | 10")
     # the teacher learning: 3 steps before the promotion at step 3, 2 of them with different R_k
     assert ("| grounded | 2 | 5 | 67% of 6 | +0.0100 [+0.0100, +0.0100] "
             "| 0% ± 0% -> 100% ± 0% |") in lines
@@ -404,8 +408,9 @@ def test_report_table_and_plots(tmp_path):
     assert (runs / "report.md").read_text() == text
     # --wandb (offline: conftest): a table per method, and the plots
     assert {k[:-6]: v for r in wandb_history(runs) for k, v in r.items() if k.endswith("/_type")} \
-        == {"base": "table-file", "hard-only": "table-file", "pq": "table-file",
-         "curves": "image-file", "soar": "image-file", "curriculum": "image-file"}
+        == {"base": "table-file", "hard-only": "table-file", "base-t": "table-file",
+            "pq": "table-file", "curves": "image-file", "soar": "image-file",
+            "curriculum": "image-file"}
 
 
 def test_parse_args_world_defaults_and_paper_settings(tmp_path):
