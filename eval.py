@@ -181,6 +181,12 @@ LEEPS_WINDOW = 20       # steps over which each portfolio's share of non-trivial
 LEEPS_NEIGHBOURS = 8    # nearest neighbours whose outcomes rank an explore question
 TEACHER_ROUNDS = 8      # rejection-sampling rounds for a teacher's questions (teacher_questions)
 SERL_OWN_SHOTS = 2      # SeRL: a few-shot prompt's examples drawn from its own kept questions
+# SeRL's RL step as OpenRLHF runs it (METHOD.md "SeRL"): its reward is 1/0 (agrees with the label or
+# not); the RLOO value is clipped to +-SERL_REWARD_CLIP; the whitening divides by
+# sqrt(max(var, SERL_VAR_FLOOR)); AdamW's betas are OpenRLHF's
+SERL_REWARD_CLIP = 10.0
+SERL_VAR_FLOOR = 1e-8
+SERL_ADAM_BETAS = (0.9, 0.95)
 ROUND_VENDI_SUBSET = 8  # the report's Vendi per PopuLoRA round: of this many problems (one agent's)
 MAY_CHANGE = {"prompt_pass", "runs", "out", "seeds", "ckpt_every", "micro_batch_tokens",
               "activation_checkpointing", "gpu_memory_utilization", "verbose", "wandb",
@@ -572,13 +578,14 @@ def write_questions(cfg: Config, seed: int, step: int, r: int, llm, tok, seed_se
 
 def serl_update(cfg: Config, policy, llm, batch: list[tuple[str, str]], seed: int) -> dict:
     """SeRL's RL step on one rollout batch (METHOD.md "SeRL"), as its OpenRLHF template runs it:
-    --student_samples completions per question (the row's: --serl_samples) and their rewards; RLOO's
-    leave-one-out baseline on them; the KL to the base model as a per-token penalty in the reward,
-    so a token's return is the rollout's advantage minus serl_kl times the KL (log p - log p_ref) of
-    it and every later token; the returns whitened over the batch's tokens; then one PPO update
-    (rloo.ppo_loss, clip --serl_clip) per --serl_train_batch rollouts, in a shuffled order, each
-    against the log-probs the policy gave them before the first. Returns rl_step's stats (the
-    updates' means) and `updates`."""
+    --student_samples completions per question (the row's: --serl_samples) and SeRL's reward, 1 if
+    a completion's answer verifies against the label, else 0; RLOO's leave-one-out baseline on it,
+    clipped to +-SERL_REWARD_CLIP; the KL to the base model as a per-token penalty in the reward, so
+    a token's return is the rollout's advantage minus serl_kl times the KL (log p - log p_ref) of it
+    and every later token (--serl_kl 0: no penalty, no reference); the returns whitened over the
+    batch's tokens; then one PPO update (rloo.ppo_loss, clip --serl_clip) per --serl_train_batch
+    rollouts, in a shuffled order, each against the log-probs the policy gave them before the
+    first. Returns rl_step's stats (the updates' means, the harness's rewards) and `updates`."""
     group = dist.group.WORLD
     k = cfg.student_samples
     with rloo.timed("sync"):
@@ -586,8 +593,8 @@ def serl_update(cfg: Config, policy, llm, batch: list[tuple[str, str]], seed: in
     flat, rewards = rloo.rollouts(llm, batch, prompt=data.student_prompt, reward=data.grade,
                                   samples=k, max_tokens=cfg.student_max_tokens, seed=seed,
                                   temperature=cfg.temperature, group=group)
-    table = torch.tensor(rewards, dtype=torch.float64).view(len(batch), k)
-    shaped = rloo.rloo_advantages(table).flatten().tolist()
+    table = serl_rewards(rewards, k)
+    shaped = serl_advantages(table).flatten().tolist()
     order = list(range(len(flat)))
     random.Random(seed).shuffle(order)
     updates = [rloo.my_share(order[i:i + cfg.serl_train_batch], group)
@@ -598,7 +605,9 @@ def serl_update(cfg: Config, policy, llm, batch: list[tuple[str, str]], seed: in
     opts = dict(temperature=cfg.temperature, dev=policy.device, shared=policy.shared_prompts,
                 micro_batch_tokens=cfg.micro_batch_tokens, group=policy.mesh.get_group())
     old = rloo.sequence_logprobs(policy.model, prompts, completions, **opts)
-    ref = rloo.sequence_logprobs(policy.ref, prompts, completions, **opts)
+    ref = old   # --serl_kl 0: no reference, and log p - log p_ref = 0
+    if cfg.serl_kl:
+        ref = rloo.sequence_logprobs(policy.ref, prompts, completions, **opts)
     returns = [kl_returns(shaped[i], o, r, cfg.serl_kl) for i, o, r in zip(mine, old, ref)]
     adv = dict(zip(mine, whiten(returns, group, policy.device)))
     old = dict(zip(mine, old))
@@ -616,6 +625,18 @@ def serl_update(cfg: Config, policy, llm, batch: list[tuple[str, str]], seed: in
             "nontrivial": (table.std(1) > 0).tolist()}
 
 
+def serl_rewards(rewards: list[float], k: int) -> torch.Tensor:
+    """SeRL's reward of each completion, [questions, k]: 1 if it verifies against the label (the
+    harness's R_CORRECT), else 0"""
+    return (torch.tensor(rewards, dtype=torch.float64) == data.R_CORRECT).double().view(-1, k)
+
+
+def serl_advantages(table: torch.Tensor) -> torch.Tensor:
+    """RLOO's value of each completion (rloo.rloo_advantages), clipped to +-SERL_REWARD_CLIP as
+    OpenRLHF clips a reward before its KL penalty is added"""
+    return rloo.rloo_advantages(table).clamp(-SERL_REWARD_CLIP, SERL_REWARD_CLIP)
+
+
 def kl_returns(advantage: float, logp: list[float], ref_logp: list[float],
                kl_coef: float) -> list[float]:
     """SeRL's (OpenRLHF's) per-token return of one rollout: its advantage, less kl_coef times the
@@ -630,16 +651,16 @@ def kl_returns(advantage: float, logp: list[float], ref_logp: list[float],
 
 
 def whiten(rows: list[list[float]], group, dev) -> list[list[float]]:
-    """the values of this rank's rows less the mean of every rank's, over their standard
-    deviation"""
+    """the values of this rank's rows less the mean of every rank's, over their standard deviation
+    (OpenRLHF's: sqrt(max(variance, SERL_VAR_FLOOR)), so a batch of equal values stays small)"""
     flat = [x for row in rows for x in row]
     moments = torch.tensor([len(flat), sum(flat), sum(x * x for x in flat)], dtype=torch.float64,
                            device=dev)
     dist.all_reduce(moments, group=group)
     n, total, squares = moments.tolist()
     mean = total / max(n, 1.0)
-    std = math.sqrt(max(squares / max(n, 1.0) - mean * mean, 0.0))
-    return [[(x - mean) / (std + 1e-8) for x in row] for row in rows]
+    std = math.sqrt(max(squares / max(n, 1.0) - mean * mean, SERL_VAR_FLOOR))
+    return [[(x - mean) / std for x in row] for row in rows]
 
 
 def serl_kept(questions: list[str], votes: list[tuple[str | None, float]],
@@ -706,6 +727,8 @@ def fresh_student(cfg: Config, row: Row, mesh, out: str, config: dict):
         policy = rloo.load_policy(cfg.model, mesh, **opts)
     if row.self_instruct:
         policy.kl_coef = 0.0   # its reference serves serl_update's penalty, not the loss
+        for group in policy.optimizer.param_groups:
+            group["betas"] = SERL_ADAM_BETAS
     ckpt, state = launch.resume(out, config, MAY_CHANGE)
     if ckpt:
         rloo.load_state(policy, os.path.join(ckpt, "policy"))

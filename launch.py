@@ -51,6 +51,10 @@ ACTIVATION_TOKEN_GIB = 4.19e-4  # a micro-batch token: the checkpointed layer in
                                 # recompute: x width x depth
 NO_CHECKPOINT_FACTOR = 8.7  # the per-token part without activation checkpointing
 CONTEXT_GIB = 3.0           # a margin for the CUDA context, cuBLAS workspaces and NCCL's buffers
+# host RAM per rank (host_memory): theta and the promotion candidates, fp32 shards (rloo.snapshot),
+# may take this share of a rank's part of the host's RAM; the rest is for the processes themselves
+SNAPSHOT_BYTES = 4
+HOST_SHARE = 0.5
 # -----------------------------------------------------------------------------
 
 
@@ -571,12 +575,11 @@ def start(cfg, trains_students: bool) -> SoarRun | None:
     hard, seq_len = open_folder(cfg, tok, world_size, trains_students)
     try:
         ckpt, state = resume(cfg.out, dataclasses.asdict(cfg), SOAR_MAY_CHANGE)
-    except UsageError as e:   # other settings: a finished run says so first
-        if not rloo.on_rank0(finished, cfg.out, cfg.outer_steps):
-            raise
-        rloo.print0(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do "
-                    f"(and {e})")
-        return None
+    except UsageError as e:   # other settings: refused, finished or not (a script that loops
+        if rloo.on_rank0(finished, cfg.out, cfg.outer_steps):   # over settings must not reuse it)
+            raise UsageError(f"{cfg.out} is finished (all {cfg.outer_steps} steps), and {e}") \
+                from None
+        raise
     state = state or dict(step=0, history=[], promotions=0, pq=0, archive=[])
     restore_rows(cfg.out, ckpt, SOAR_OUTPUTS)   # the files hold exactly the committed steps
     wb = {}   # rank 0 with --wandb: the W&B run and the first step it does not hold
@@ -673,7 +676,8 @@ def memory_per_rank(config, *, gpu_gib: float, engine_share: float, policy_ranks
     weights and KV cache), then the trainer's: full fine-tuning, each policy (fp32 weights and
     AdamW) sharded over its policy_ranks and, with `kl`, its bf16 reference likewise, and the
     gradients of the one that trains (train_step frees them after its update); LoRA (lora_rank),
-    one whole bf16 base and `adapters` fp32 adapters with AdamW, one with its gradients; one
+    one whole bf16 base and `adapters` fp32 adapters with AdamW, one with its gradients (twice:
+    their flat copy for the all-reduce); one
     micro-batch's activations (activation_gib) and a margin for the CUDA context (CONTEXT_GIB).
     The one place this is computed: soar.py's check before anything loads, bench_rloo.py
     --memory_table and docs/scale.md."""
@@ -682,7 +686,9 @@ def memory_per_rank(config, *, gpu_gib: float, engine_share: float, policy_ranks
     if lora_rank:
         est["base"] = 2 * n / GIB
         a = lora.adapter_parameters(config, lora_rank)
-        est["adapters"] = (adapters * HELD_BYTES + GRAD_BYTES) * a / GIB
+        # one adapter's gradients, and their flat copy while they are averaged over the ranks
+        # (rloo._average_unsharded_gradients)
+        est["adapters"] = (adapters * HELD_BYTES + 2 * GRAD_BYTES) * a / GIB
     else:
         est["policies"] = sum(HELD_BYTES * n / r for r in policy_ranks) / GIB
         est["gradients"] = max(GRAD_BYTES * n / r for r in policy_ranks) / GIB
@@ -715,6 +721,40 @@ def memory(cfg, world_size: int, gpu_gib: float, config) -> dict[str, float]:
                            adapters=1 + -(-cfg.num_datasets * cfg.students // G),
                            kl=cfg.kl_coef > 0, micro_batch_tokens=cfg.micro_batch_tokens,
                            activation_checkpointing=cfg.activation_checkpointing)
+
+
+def host_memory(cfg, world_size: int, config) -> float:
+    """GiB of host RAM a rank holds for theta and the promotion candidates kept in a step that can
+    promote (rloo.snapshot: its fp32 shard of each, pinned on GPUs): one copy per student of its
+    group at most (theta, and every student but the last, which stays on the GPUs); with LoRA,
+    whole adapters. About g*r*4N/W bytes for full fine-tuning, whatever the groups."""
+    G = student_groups(cfg, world_size)
+    per_group = max(-(-cfg.num_datasets * cfg.students // G), 1)
+    if cfg.lora_rank:
+        params = lora.adapter_parameters(config, cfg.lora_rank)
+    else:
+        params = rloo.parameter_count(config) / (world_size // G)
+    return per_group * SNAPSHOT_BYTES * params / GIB
+
+
+def host_problem(cfg, world_size: int, host_gib: float, config) -> str | None:
+    """If theta and the promotion candidates (host_memory) need more than HOST_SHARE of a rank's
+    part of the host's RAM (host_gib): one line with the figures and what would make it fit"""
+    need = host_memory(cfg, world_size, config)
+    if need <= HOST_SHARE * host_gib:
+        return None
+    fits = not cfg.lora_rank and host_memory(
+        dataclasses.replace(cfg, lora_rank=32), world_size, config) <= HOST_SHARE * host_gib
+    return (f"theta and the promotion candidates need ~{need:.0f} GiB of host RAM per rank "
+            f"(host_memory), more than {HOST_SHARE:.0%} of the {host_gib:.0f} GiB a rank has: "
+            + ("it fits with --lora_rank 32" if fits else
+               "fewer --students or --num_datasets, more nodes, or a smaller model"))
+
+
+def host_gib_per_rank() -> float:
+    """this host's RAM over the ranks torchrun started on it"""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / GIB / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def memory_problem(cfg, world_size: int, gpu_gib: float, config,
@@ -750,10 +790,11 @@ def memory_problem(cfg, world_size: int, gpu_gib: float, config,
 
 
 def check_settings(cfg, world_size: int, n_hard: int, seq_len: int, trains_students: bool,
-                   gpu_gib: float | None = None) -> list[str]:
+                   gpu_gib: float | None = None, host_gib: float | None = None) -> list[str]:
     """What in the settings cannot work, each naming its flag (layout: METHOD.md "Scale layout");
     the least value of each count is its field's (flag). On GPUs of gpu_gib, also a layout
-    that does not fit (memory_problem)."""
+    that does not fit (memory_problem); with host_gib of RAM per rank, snapshots that do not
+    (host_problem)."""
     students = cfg.num_datasets * cfg.students
     G = student_groups(cfg, world_size)
     checks = [
@@ -774,9 +815,11 @@ def check_settings(cfg, world_size: int, n_hard: int, seq_len: int, trains_stude
                                            f"up to {seq_len} tokens)"),
     ]
     found = too_small(cfg) + [msg for bad, msg in checks if bad]
-    if gpu_gib and not found:
+    if (gpu_gib or host_gib) and not found:
         config = AutoConfig.from_pretrained(cfg.model)
-        found += [msg for msg in [memory_problem(cfg, world_size, gpu_gib, config, seq_len)] if msg]
+        problems = [memory_problem(cfg, world_size, gpu_gib, config, seq_len) if gpu_gib else None,
+                    host_problem(cfg, world_size, host_gib, config) if host_gib else None]
+        found += [msg for msg in problems if msg]
     return found
 
 
@@ -793,7 +836,8 @@ def open_folder(cfg, tok, world_size: int, trains_students: bool) -> tuple[list[
     gpu = torch.cuda.is_available()
     gpu_gib = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
                / GIB if gpu else None)
-    bad = check_settings(cfg, world_size, len(hard), seq_len, trains_students, gpu_gib)
+    host_gib = host_gib_per_rank() if gpu and trains_students else None   # (CPU: RAM is all)
+    bad = check_settings(cfg, world_size, len(hard), seq_len, trains_students, gpu_gib, host_gib)
     if bad:
         if made and rloo.rank0():
             shutil.rmtree(cfg.out)

@@ -80,13 +80,15 @@ class Config:
                                 choices=("gaussian", "svd"))
     mutation_sigma: float = launch.flag(0.1, "the mutation's scale: gaussian, the noise as a share "
                                         "of each tensor's RMS; svd, the std of log(scale)")
-    proposer_reward: str = launch.flag("azr", "a teacher's reward for a valid problem its "
-                                       "student solves at rate s: 1 - s, and for s = 0 azr: 0 "
-                                       "(Absolute Zero's), failure: 1", choices=("azr", "failure"))
-    format_penalties: bool = launch.flag(True, "Absolute Zero's format-aware rewards: a proposal "
-        "formatted but invalid -0.5, malformed -1; a solution correct 1, boxed but wrong -0.5, "
-        "unboxed -1 (--no-format_penalties: 0 for any invalid proposal, and the student reward "
-        "120/20/10/0 of METHOD.md \"Rewards\")")
+    proposer_reward: str = launch.flag("azr", "a teacher's reward for one proposal, s its "
+        "student's solve rate: azr (Absolute Zero's code): -1 if it failed a check, -0.5 if valid "
+        "with s = 0 or 1, else 1 - s; azr-paper (its paper's formulas): -0.5 if formatted but "
+        "invalid, -1 if malformed, 0 for s = 0 or 1, else 1 - s; failure: azr-paper, but 1 for "
+        "s = 0", choices=("azr", "azr-paper", "failure"))
+    format_penalties: bool = launch.flag(True, "Absolute Zero's format-aware rewards: the "
+        "proposer's negative values above; a solution correct 1, boxed but wrong -0.5, unboxed -1 "
+        "(--no-format_penalties: 0 in place of every negative proposer reward, and the student "
+        "reward 120/20/10/0 of METHOD.md \"Rewards\")")
     # ---- optimisation ----
     teacher_lr: float = launch.flag(1e-4, world=3e-4, help="AdamW, constant: the population "
         "trains while it plays (LoRA: ~10x full fine-tuning's)")
@@ -159,18 +161,21 @@ def match(teacher_ratings: list, student_ratings: list, rng: random.Random,
     rng.shuffle(order)
     pairs = [0] * len(teacher_ratings)
     free = []
+    waiting = set(newcomers)   # newcomers no teacher that can teach them has drawn yet
     for i in order:
         free = free or list(range(len(student_ratings)))
-        fresh = [j for j in free if j in newcomers]
+        fresh = [j for j in free if j in waiting]
         if not fresh:
             pool = free
         elif can_teach is None or can_teach[i]:
             pool = fresh
         else:   # a teacher with nothing to teach leaves the newcomers to the others
-            pool = [j for j in free if j not in newcomers] or free
+            pool = [j for j in free if j not in waiting] or free
         weights = pfsp_weights(teacher_ratings[i], [student_ratings[j] for j in pool])
         pairs[i] = pool[rng.choices(range(len(pool)), weights=weights)[0]]
         free.remove(pairs[i])
+        if can_teach is None or can_teach[i]:   # it trains this round: no priority any more
+            waiting.discard(pairs[i])
     return pairs
 
 
@@ -364,6 +369,10 @@ def main(cfg: Config):
         for i, (j, result) in enumerate(zip(pairs, match_results(solves, scores))):
             state["teacher_ratings"][i], state["student_ratings"][j] = rate_match(
                 state["teacher_ratings"][i], state["student_ratings"][j], result)
+        # rank 0's ratings on every rank: the draw and evolution they decide say which adapters
+        # train (collectives), so they must not differ in a float's last bit between hosts
+        state["teacher_ratings"], state["student_ratings"] = rloo.all_gather(
+            (state["teacher_ratings"], state["student_ratings"]))[0]
         state["round"] = rnd + 1
         row = dict(round=rnd, pairs=pairs, scores=scores,
                    valid=[sum(v is not None for _, v in p) / len(p) for p in proposals],
@@ -484,16 +493,22 @@ def valid_solves(solves: list[list]) -> list[list[float]]:
 
 
 def proposer_reward(cfg: Config, rate: float | None, formatted: bool = True) -> float:
-    """a teacher's reward for one proposal (METHOD.md "PopuLoRA", step 4). For a valid problem its
-    student solved at rate s, 1 - s, except that under --proposer_reward azr (Absolute Zero's
-    proposer reward) a problem the student never solves earns 0 too. For one that failed a check
-    (rate None), Absolute Zero's format penalties (--format_penalties): -0.5 if it was formatted,
-    -1 if not; without them 0."""
-    if rate is None:
-        return (-0.5 if formatted else -1.0) if cfg.format_penalties else 0.0
-    if rate == 0.0 and cfg.proposer_reward == "azr":
-        return 0.0
-    return 1.0 - rate
+    """a teacher's reward for one proposal (METHOD.md "PopuLoRA", step 4), s = rate, its student's
+    solve rate on it, None if it failed a check (the format filter, the verifier). --proposer_reward
+    azr, as Absolute Zero's code gives it (absolute_zero_reasoner/rewards/reward_managers.py): -1
+    for a failed check, formatted or not; -0.5 for a valid one whose solver accuracy reward is 0
+    (s = 0, or s = 1 so 1 - s = 0); else 1 - s. azr-paper, its paper's formulas: -0.5 if formatted
+    but invalid, -1 if not formatted; 0 for s = 0 or 1; else 1 - s. failure: as azr-paper but
+    1 - s for s = 0 too. --no-format_penalties: 0 in place of every negative value."""
+    if cfg.proposer_reward == "azr":
+        value = -1.0 if rate is None else -0.5 if rate in (0.0, 1.0) else 1.0 - rate
+    elif rate is None:
+        value = -0.5 if formatted else -1.0
+    elif rate == 0.0 and cfg.proposer_reward == "azr-paper":
+        value = 0.0
+    else:
+        value = 1.0 - rate
+    return value if cfg.format_penalties else max(value, 0.0)
 
 
 def solver_reward(rewards: torch.Tensor) -> torch.Tensor:
@@ -516,7 +531,9 @@ def teach(cfg: Config, run, proposals: list[list], formatted: list[list], solves
             adv = rloo.rloo_advantages(torch.tensor(rewards, dtype=torch.float64)).tolist()
             rows = rloo.my_share([(s, a) for (s, _), a in zip(proposals[i], adv)])
             stats.append(train(cfg, run, teacher, rows, cfg.teacher_lr))
-    if run.pending:   # --single_agent_update joint: both roles' rows, one update
+    # --single_agent_update joint: both roles' rows, one update. Decided on every rank's rows: a
+    # rank whose share is empty takes the update too, or the others wait in its all-reduces
+    if any(rloo.all_gather(bool(run.pending))):
         rows, run.pending = run.pending, []
         stats = [train(cfg, run, run.teachers[0], rows, cfg.student_lr, joint=True)]
     return stats or [None] * len(run.teachers)

@@ -194,9 +194,9 @@ def all_gather(obj, group=None) -> list:
 def check_same(value, what: str, group=None) -> None:
     """Raise on every rank if the ranks of group hold different values of `what` (what a
     collective that follows relies on), naming each value and its ranks: one clear error in place
-    of a hang until the collectives' timeout."""
+    of a hang until the collectives' timeout. Values are compared by repr, so NaN equals NaN."""
     parts = all_gather(value, group)
-    if all(part == parts[0] for part in parts):
+    if all(repr(part) == repr(parts[0]) for part in parts):
         return
     ranks = defaultdict(list)
     for rank, part in enumerate(parts):

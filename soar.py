@@ -143,7 +143,7 @@ def moving_average(history: list[float], window: int) -> float | None:
 def promotion(R: list[list[float]], ma: float | None, tau: float) -> tuple[int, int] | None:
     """(k*, j*) if MA > tau: k* = argmax_k R_k, j* = the student of X_k* with the median R_k*j
     (r even: the lower middle). None otherwise (METHOD.md "Promotion")."""
-    if ma is None or ma <= tau:
+    if ma is None or not ma > tau:   # (a NaN reward never promotes)
         return None
     R_k = [sum(row) / len(row) for row in R]
     k = max(range(len(R)), key=lambda i: R_k[i])  # first maximum on ties
@@ -216,7 +216,7 @@ class Step:
     index: int
     datasets: list          # g lists of n (question, answer) pairs: X_1..X_g
     q_r: list[dict]         # M hard train problems
-    acc0: float
+    acc0: list[float]       # Acc0 for each of this group's students (my_students' order)
     inner_steps: int        # S: each student's RLOO steps
 
 
@@ -239,7 +239,8 @@ def main(cfg: Config):
         # 1-2. the teacher samples g*n valid pairs (by rejection), split in order into X_1..X_g
         kept, sampled = teacher_samples(cfg, run, step, teacher_draw)
         datasets = split_datasets([pair for _, pair in kept], cfg.num_datasets)
-        # 3-4. a fresh Q_R and the baseline's greedy accuracy on it
+        # 3-4. a fresh Q_R and the baseline's greedy accuracy on it, Acc0: one value for each of
+        # this group's students (with LoRA, measured where that student's adapter is measured)
         q_r = sample_q_r(cfg, run, step)
         acc0 = group_students.baseline_accuracy(cfg, run, q_r)
         # 5. the g x r table R: grounded, R_kj = Acc(a student trained on X_k from theta) - Acc0
@@ -247,7 +248,8 @@ def main(cfg: Config):
         # column: X_k's mean reward (TEACHER_REWARDS)
         measured, candidates, held = teacher_reward.measure(
             cfg, run, Step(step, datasets, q_r, acc0, S), group_students)
-        R = [teacher_reward.score(m) for m in measured]
+        # rank 0's R on every rank: one decision, whatever the last bits of per-rank floats
+        R = rloo.all_gather([teacher_reward.score(m) for m in measured])[0]
         R_k = [sum(row) / len(row) for row in R]
         # 6-7. Rhat, MA, promotion (intrinsic baselines train no students, so they never promote)
         tau = cfg.tau if teacher_reward.trains_students else float("inf")
@@ -262,8 +264,8 @@ def main(cfg: Config):
         # 8. teacher RLOO update: every completion of X_k gets A_k
         stats = teacher_update(cfg, run, kept, R_k)
         state["step"] = step + 1
-        row = dict(step=step, acc0=acc0,
-                   acc0_groups=rloo.all_gather(acc0)[::run.mesh["fsdp"].size()],   # group 0's: acc0
+        row = dict(step=step, acc0=acc0[0],   # each group's first student's (group 0's: acc0)
+                   acc0_groups=rloo.all_gather(acc0[0])[::run.mesh["fsdp"].size()],
                    R=R, R_k=R_k, reward=reward, ma=ma, promoted=bool(chosen),
                    promoted_k=chosen[0] if chosen else None,
                    promoted_j=chosen[1] if chosen else None, promotions=state["promotions"],
@@ -315,12 +317,13 @@ def sample_q_r(cfg: Config, run, step: int) -> list[dict]:
     return data.sample_questions(run.hard, cfg.qr_size, rng)
 
 
-def baseline_accuracy(cfg: Config, run, q_r: list[dict]) -> float:
+def baseline_accuracy(cfg: Config, run, q_r: list[dict]) -> list[float]:
     """Step 4: Acc0, the baseline student's greedy accuracy on Q_R, once per step and student group:
     on the group's own engines, as its trained students are measured (greedy bf16 decoding is not
-    batch-invariant: Acc0 from other engines or batches could differ by more than tau)."""
+    batch-invariant: Acc0 from other engines or batches could differ by more than tau). The same
+    value for each of the group's students (one at least: the step's row logs it)."""
     rloo.restore(run.student, run.theta)
-    return accuracy(cfg, run, q_r, run.student)
+    return [accuracy(cfg, run, q_r, run.student)] * max(len(my_students(cfg, run)), 1)
 
 
 def accuracy(cfg: Config, run, questions: list[dict], policy) -> float:
@@ -340,10 +343,11 @@ def measure_students(cfg: Config, run, step: Step, students) -> tuple[list, dict
     """Step 5 of SOAR's reward: each group trains and measures its share of the g*r students
     (students.trained_accuracies: one at a time, or LoRA's side by side). Returns, on every rank,
     what was measured of each X_k (its students' Acc, and the Acc0 of the group that trained each:
-    step.acc0 there), the promotion candidates this group kept and the most any rank keeps."""
+    its step.acc0 there), the promotion candidates this group kept and the most any rank keeps."""
     accs, candidates = students.trained_accuracies(cfg, run, step)
     held = sum(snap is not None for snap in candidates.values())
-    parts = rloo.all_gather(({kj: (acc, step.acc0) for kj, acc in accs.items()}, held))
+    parts = rloo.all_gather(({kj: (accs[kj], acc0) for kj, acc0 in
+                              zip(my_students(cfg, run), step.acc0)}, held))
     table = {kj: pair for part, _ in parts for kj, pair in part.items()}
     measured = [Measured(X, [table[k, j][0] for j in range(cfg.students)],
                          [table[k, j][1] for j in range(cfg.students)], [], [])
@@ -414,7 +418,7 @@ def my_students(cfg: Config, run) -> list[tuple[int, int]]:
 @dataclasses.dataclass(frozen=True)
 class GroupStudents:
     """how a student group measures Acc0 (step 4) and trains and measures its students (step 5)"""
-    baseline_accuracy: object    # (cfg, run, q_r) -> Acc0
+    baseline_accuracy: object    # (cfg, run, q_r) -> Acc0 for each of the group's students
     trained_accuracies: object   # (cfg, run, step) -> ({(k, j): Acc}, promotion candidates)
 
 
@@ -426,10 +430,14 @@ def promote(cfg: Config, run, chosen, candidates: dict) -> dict:
     Its group kept it as a snapshot, or (None) it is still in run.student."""
     src = students(cfg).index(chosen) % run.mesh["group"].size()   # the group that trained it
     theta = run.theta
-    if run.mesh.get_local_rank("group") == src:
-        if chosen not in candidates:
-            raise RuntimeError(f"promote: student {chosen} was not kept (can_promote assumed a "
-                               f"step reward of at most 1; --reward {cfg.reward} gave more)")
+    mine = run.mesh.get_local_rank("group") == src
+    # every rank raises, not the chosen group alone: the others would wait in the broadcast
+    if not all(rloo.all_gather(chosen in candidates or not mine)):
+        err = RuntimeError(f"promote: student {chosen} was not kept (can_promote assumed a step "
+                           f"reward of at most 1; --reward {cfg.reward} gave more)")
+        err.from_rank0 = not rloo.rank0()   # rank 0 alone prints it (launch.main)
+        raise err
+    if mine:
         theta = candidates[chosen]
         if theta is None:   # the group's last student: still in run.student
             theta = rloo.snapshot(run.student)
@@ -545,13 +553,13 @@ TEACHER_REWARDS = {
 # first is run.student), trained side by side: each inner step samples all their rollouts in one
 # engine call, with the seeds of the group's first student (request i: seed + i * samples).
 
-def side_by_side_baseline_accuracy(cfg: Config, run, q_r: list[dict]) -> float:
+def side_by_side_baseline_accuracy(cfg: Config, run, q_r: list[dict]) -> list[float]:
     """Step 4 with LoRA: Acc0 measured as the group's students are, all its adapters at theta in
-    one engine call (the same batch shape and order); Acc0 is the first's"""
+    one engine call (the same batch shape and order): each student's Acc0 is its adapter's"""
     policies = run.adapters[:len(my_students(cfg, run))]
     for policy in policies:
         rloo.restore(policy, run.theta)
-    return adapter_accuracies(cfg, run, q_r, policies)[0]
+    return adapter_accuracies(cfg, run, q_r, policies)
 
 
 def side_by_side_trained_accuracies(cfg: Config, run, step: Step) -> tuple[dict, dict]:

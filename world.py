@@ -431,42 +431,95 @@ def measure(model_dir: str, r: dict, seed: int, log=print) -> tuple[dict, list[d
 # -----------------------------------------------------------------------------
 # building (once per recipe, cached)
 
+# world.py's functions that read, check, print or ship a world without making it: build_key leaves
+# them out, so editing them keeps the worlds built. Every other function and every top-level
+# assignment (the recipes, the family, the tokenizer's settings) is the build's code.
+NOT_BUILD_CODE = ("build_key", "build_code", "grader", "code_of", "fingerprint", "file_hashes",
+                  "check_files", "shipped_world", "build_world", "summary", "resolve", "main",
+                  "ship", "kind")
+
+
 def build_key(small: bool, seed: int) -> str:
-    """What the world depends on: the recipe above, the prompts it is trained on and the grader
-    that decides its hard set."""
+    """What the world depends on: the recipe above, the code that builds it (build_code), the
+    prompts it is trained on and the grader that decides its hard set."""
     recipe = dict(version=VERSION, recipe=RECIPES["small" if small else "default"], seed=seed,
                   family=[KINDS, VERBS, START, STEP], vocab=VOCAB_SIZE, chat_template=CHAT_TEMPLATE,
-                  max_tokens=MAX_TOKENS, env=PINNED_ENV,
+                  max_tokens=MAX_TOKENS, env=PINNED_ENV, code=build_code(),
                   prompts=[data.TEACHER_PROMPT, data.STUDENT_PROMPT], grader=grader())
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def build_code() -> list[str]:
+    """The code of this file that makes a world (all but NOT_BUILD_CODE's functions, and every
+    top-level assignment) and data.split_train_test, without comments and docstrings: a change to
+    any of it gets another key, so the worlds must be built again. (What it calls in rloo, the
+    engine's sampling, is covered by VERSION: bump it when that changes.)"""
+    import ast
+    with open(os.path.abspath(__file__), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    nodes = [node for node in tree.body
+             if isinstance(node, (ast.Assign, ast.AnnAssign)) or
+             isinstance(node, ast.FunctionDef) and node.name not in NOT_BUILD_CODE]
+    return [code_of(node) for node in nodes] + [code_of(data.split_train_test)]
+
+
+def code_of(code) -> str:
+    """A function's (or an AST node's) code without its comments and docstrings"""
+    import ast
+    import inspect
+    import textwrap
+    if not isinstance(code, ast.AST):
+        code = ast.parse(textwrap.dedent(inspect.getsource(code)))
+    for node in ast.walk(code):   # drop docstrings (ast.dump already drops comments)
+        if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) is not None:
+            node.body = node.body[1:] or [ast.Pass()]
+    return ast.dump(code)
 
 
 def grader() -> list:
     """What decides which problems are hard (fail@k counts data.solved): the code of data.solved
     and of what it calls, without its comments and docstrings, its constants, and math-verify's
     version. A fork that changes any of them gets another key, so a world built again."""
-    import ast
     import importlib.metadata
-    import inspect
-    import textwrap
     funcs = (data.solved, data.grade, data.student_reward, data.last_boxed, data._mv_parse,
              data._answer_parses)
-    code = []
-    for f in funcs:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(f)))
-        for node in ast.walk(tree):   # drop docstrings (ast.dump already drops comments)
-            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) is not None:
-                node.body = node.body[1:] or [ast.Pass()]
-        code.append(ast.dump(tree))
     constants = [data.R_CORRECT, data.R_CONTAINS, data.R_BOXED, data.R_NONE, data.MV_TIMEOUT_S,
                  data.DEADLINE_S, data.REWARD_READS_BOXED_ONLY]
-    return [code, constants, importlib.metadata.version("math-verify")]
+    return [[code_of(f) for f in funcs], constants, importlib.metadata.version("math-verify")]
 
 
 def fingerprint(train: list[dict], test: list[dict]) -> str:
     """A short hash of the hard set (both halves, in order): equal fingerprints, equal worlds."""
     text = json.dumps([[(p["question"], p["answer"]) for p in half] for half in (train, test)])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def file_hashes(folder: str) -> dict[str, str]:
+    """sha256 of every file of a world's folder but stats.json, by its path in the folder"""
+    hashes = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if rel != "stats.json":
+                with open(path, "rb") as f:
+                    hashes[rel] = hashlib.sha256(f.read()).hexdigest()
+    return dict(sorted(hashes.items()))
+
+
+def check_files(folder: str, stats: dict) -> None:
+    """Refuse a world whose files are not the ones it was built with (stats.json's sha256 of each,
+    and its hard set's fingerprint), naming the files that differ or are missing"""
+    from launch import UsageError   # (torch: not at the top, see the imports)
+    paths = _paths(folder)
+    halves = [data.read_jsonl(paths[half]) for half in ("train", "test")]
+    have = file_hashes(folder)
+    changed = [name for name, sha in stats["files"].items() if have.get(name) != sha]
+    if changed or fingerprint(*halves) != stats["fingerprint"]:
+        raise UsageError(f"{folder}: files changed since it was built ({', '.join(changed)}; hard "
+                         f"set fingerprint {fingerprint(*halves)}, built {stats['fingerprint']}): "
+                         f"restore them (git checkout {folder}) or rebuild it with "
+                         "`python world.py --ship`")
 
 
 def _paths(out: str) -> dict:
@@ -493,7 +546,8 @@ def _build_here(out: str, r: dict, seed: int, key: str = "", small: bool = False
                  vocab=len(tok), candidates=len(candidates), hard=len(hard),
                  hard_by_kind=dict(sorted(kinds.items())), train=len(train), test=len(test),
                  fingerprint=fingerprint(train, test), candidate_correct_counts=counts,
-                 train_seconds=round(train_s, 1), build_seconds=round(time.time() - t0, 1))
+                 train_seconds=round(train_s, 1), build_seconds=round(time.time() - t0, 1),
+                 files=file_hashes(out))
     data.write_json(paths["stats"], stats)
 
 
@@ -521,12 +575,13 @@ def shipped_world(small: bool = False) -> dict:
     folder = os.path.join(SHIPPED, kind(small))
     paths = _paths(folder)
     key = build_key(small, 0)
-    built = data.read_json(paths["stats"])["key"] if os.path.exists(paths["stats"]) else None
-    if built != key:
+    stats = data.read_json(paths["stats"]) if os.path.exists(paths["stats"]) else {}
+    if stats.get("key") != key:
         from launch import UsageError   # (torch: not at the top, see the imports)
-        raise UsageError(f"{folder} was built from another recipe than world.py's (key {built}, "
-                         f"now {key}): rebuild it with `python world.py --ship"
-                         f"{' --small' * small}`")
+        raise UsageError(f"{folder} was built from another recipe or build code than world.py's "
+                         f"(key {stats.get('key')}, now {key}): rebuild it with `python world.py "
+                         f"--ship{' --small' * small}`")
+    check_files(folder, stats)
     return paths
 
 

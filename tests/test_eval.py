@@ -12,6 +12,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import torch
 
 import data
 import eval as ev
@@ -230,6 +231,53 @@ def test_serl_returns_carry_the_kl_penalty_of_later_tokens_and_are_whitened(monk
     white = ev.whiten(rows, None, "cpu")
     assert [len(r) for r in white] == [2, 1, 3]
     assert [x for r in white for x in r] == pytest.approx([(x - mean) / std for x in flat])
+
+
+def test_serl_rewards_are_its_own_one_and_zero_and_the_whitening_has_openrlhfs_floor(monkeypatch):
+    """SeRL trains on 1 (the answer verifies against the label) or 0, not the harness's 120/20/10/0,
+    so its KL penalty keeps SeRL's weight beside the RLOO value; the RLOO value is clipped to +-10;
+    a batch whose values are all alike (every group trivial: only KL noise) is divided by at most
+    1e4 (OpenRLHF's variance floor 1e-8), not blown up to unit size"""
+    table = ev.serl_rewards([data.R_CORRECT, data.R_CONTAINS, data.R_BOXED, data.R_NONE] * 2, 4)
+    assert table.tolist() == [[1.0, 0.0, 0.0, 0.0]] * 2
+    assert ev.serl_advantages(table)[0].tolist() == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3])
+    assert ev.serl_advantages(torch.tensor([[400.0, 0.0]])).tolist() == [[10.0, -10.0]]
+    monkeypatch.setattr(ev.dist, "all_reduce", lambda t, group=None: None)   # one rank
+    noise = [[1e-6, -1e-6, 2e-6], [0.0, -2e-6]]   # KL penalties of trivial groups
+    assert max(abs(x) for row in ev.whiten(noise, None, "cpu") for x in row) < 0.05
+
+
+def test_serl_kl_0_needs_no_reference(monkeypatch):
+    """--serl_kl 0: the row loads no reference (fresh_student: kl_coef 0), so serl_update must not
+    ask for its log-probs; its returns are the whitened RLOO values alone. (rloo's engine and
+    trainer calls are stand-ins here: this checks serl_update's own logic.)"""
+    class Sample:
+        prompt_token_ids, token_ids = [1, 2], [3, 4]
+
+    def logprobs(model, prompts, completions, **_):
+        assert model is not None, "asked for the log-probs of a reference that was not loaded"
+        return [[-1.0, -1.0] for _ in prompts]
+
+    trained = []
+    monkeypatch.setattr(ev.rloo, "sync_weights", lambda policy, llm: None)
+    monkeypatch.setattr(ev.rloo, "rollouts", lambda llm, batch, samples, **_: (
+        [(Sample(), a) for _, a in batch for _ in range(samples)],
+        [data.R_CORRECT, data.R_NONE] * len(batch)))
+    monkeypatch.setattr(ev.rloo, "my_share", lambda items, group=None: items)
+    monkeypatch.setattr(ev.rloo, "sequence_logprobs", logprobs)
+    monkeypatch.setattr(ev.dist, "all_reduce", lambda t, group=None: None)
+    monkeypatch.setattr(ev.rloo, "train_step", lambda policy, p, c, adv, **_: trained.append(adv)
+                        or dict(loss=0.0, pg_loss=0.0, kl=0.0, grad_norm=0.0, lr=0.0, tokens=4,
+                                skipped=False))
+    mesh = type("Mesh", (), dict(get_group=lambda self: None))()
+    policy = type("Policy", (), dict(model="model", ref=None, device="cpu", shared_prompts=False,
+                                     mesh=mesh))()
+    cfg = ev.Config(student_samples=2, serl_kl=0.0, serl_train_batch=2)
+    stats = ev.serl_update(cfg, policy, None, [("q1", "1"), ("q2", "2")], seed=0)
+    assert stats["updates"] == 2 and stats["reward"] == (data.R_CORRECT + data.R_NONE) / 2
+    # RLOO of (1, 0) is (1, -1) per question, the same on every token: whitened, +-1
+    assert sorted(x for adv in trained for row in adv for x in row) == \
+        pytest.approx([-1.0] * 4 + [1.0] * 4)
 
 
 def test_serl_writing_prompts_hold_seed_and_own_examples():

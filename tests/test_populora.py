@@ -145,6 +145,21 @@ def test_a_newcomer_plays_its_first_round_against_a_teacher_with_a_problem(teach
         assert max(counts) - min(counts) <= 1 and sum(counts) == teachers
 
 
+def test_a_newcomer_has_no_priority_once_drawn():
+    """4 teachers, 3 equally rated students, one of them new: it is drawn first, and once the pool
+    refills for the fourth teacher, PFSP draws among all three (so about a third of the time it is
+    the newcomer), not the newcomer again"""
+    twice = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        ratings = [[rng.gauss(25, 5), rng.uniform(0.5, pl.SIGMA0)] for _ in range(4)]
+        pool = [[pl.MU0, pl.SIGMA0] for _ in range(3)]
+        pairs = pl.match(ratings, pool, rng, newcomers=(1,), can_teach=[True] * 4)
+        assert pairs.count(1) >= 1
+        twice += pairs.count(1) == 2
+    assert 30 <= twice <= 110, twice
+
+
 def test_the_lowest_mu_is_replaced_by_the_two_best_of_the_others():
     assert pl.replacement([25.0, 27.0, 22.0, 26.0]) == (2, 1, 3)
     assert pl.replacement([25.0, 26.0, 24.0]) == (2, 1, 0)       # 3: three distinct members
@@ -154,19 +169,24 @@ def test_the_lowest_mu_is_replaced_by_the_two_best_of_the_others():
     assert pl.replacement([25.0]) is None
 
 
-def test_the_proposer_reward_of_a_problem_nobody_solves():
-    """azr (the default, Absolute Zero's): 1 - s for 0 < s, 0 for s = 0; failure: 1 - s for every
-    valid problem. A failed check: Absolute Zero's format penalties (the default), -0.5 for a
-    formatted proposal, -1 for a malformed one; without them 0."""
+def test_the_proposer_reward_is_absolute_zeros_code():
+    """azr (the default): as Absolute Zero's code (rewards/reward_managers.py) gives it: -1 for a
+    failed check, formatted or not; -0.5 for a valid problem solved at s = 0 or 1 (its solver
+    accuracy reward 1 - s, or 0 for s = 0, is 0); else 1 - s. azr-paper (its paper's formulas, this
+    project's default before): 0 for s = 0 or 1, -0.5 formatted but invalid, -1 malformed;
+    failure: azr-paper with 1 - s for s = 0 too. Without format penalties, 0 for every negative."""
     azr = pl.parse_args([])
+    paper = pl.parse_args(["--proposer_reward", "azr-paper"])
     failure = pl.parse_args(["--proposer_reward", "failure"])
     plain = pl.parse_args(["--no-format_penalties"])
-    assert [pl.proposer_reward(azr, s) for s in (0.0, 0.25, 1.0)] == [0.0, 0.75, 0.0]
-    assert [pl.proposer_reward(failure, s) for s in (0.0, 0.25, 1.0)] == [1.0, 0.75, 0.0]
+    assert [pl.proposer_reward(azr, s) for s in (0.0, 0.25, 1.0)] == [-0.5, 0.75, -0.5]
     assert [pl.proposer_reward(azr, None, formatted) for formatted in (True, False)] == \
+        [-1.0, -1.0]
+    assert [pl.proposer_reward(paper, s) for s in (0.0, 0.25, 1.0)] == [0.0, 0.75, 0.0]
+    assert [pl.proposer_reward(paper, None, formatted) for formatted in (True, False)] == \
         [-0.5, -1.0]
-    assert [pl.proposer_reward(plain, None, formatted) for formatted in (True, False)] == \
-        [0.0, 0.0]
+    assert [pl.proposer_reward(failure, s) for s in (0.0, 0.25, 1.0)] == [1.0, 0.75, 0.0]
+    assert [pl.proposer_reward(plain, s) for s in (0.0, 0.25, 1.0, None)] == [0.0, 0.75, 0.0, 0.0]
 
 
 def test_the_solver_reward_has_absolute_zeros_format_penalties():
@@ -342,8 +362,9 @@ def runs(tmp_path_factory):
     single = torchrun("populora.py", d / "single", *FLAGS, "--single_agent", "--teachers", "1",
                       "--students", "1")
     assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
-    joint = torchrun("populora.py", d / "joint", *FLAGS, "--single_agent", "--teachers", "1",
-                     "--students", "1", "--single_agent_update", "joint")
+    # round 1: rank 1's share of the update made empty (tests/skewed_populora.py)
+    joint = torchrun("tests/skewed_populora.py", d / "joint", *FLAGS, "--single_agent",
+                     "--teachers", "1", "--students", "1", "--single_agent_update", "joint")
     assert joint.returncode == 0, joint.stdout[-3000:] + joint.stderr[-3000:]
     return d, resumed.stdout
 
@@ -465,7 +486,8 @@ def test_the_single_agent_takes_one_update_a_round_alternating_roles(runs):
 
 def test_the_joint_single_agent_takes_one_update_a_round_on_both_roles(runs):
     """--single_agent_update joint (Absolute Zero's): every round, one update of its one adapter
-    on its proposals and its solutions together"""
+    on its proposals and its solutions together; on every rank, also in a round where one rank's
+    share is empty (tests/skewed_populora.py: rank 1's rows of round 1 dropped)"""
     d, _ = runs
     metrics = rows(d / "joint" / "metrics.jsonl")
     assert [r["trained"] for r in metrics] == [["students", "teachers"]] * ROUNDS

@@ -3,6 +3,7 @@ real FSDP2 (gloo), real math-verify: the outputs of a run (the session's referen
 conftest.py), settings a resume refuses, and the clean failures. Faults (kills, locks, damage):
 test_faults.py."""
 import json
+import math
 import os
 import re
 import sys
@@ -101,14 +102,15 @@ def test_finished_run_does_nothing(full_run):
 
 
 def test_other_settings_refused(full_run):
-    """a run with steps to go refuses other settings; a finished one first says it is finished"""
+    """a run with steps to go refuses other settings; a finished one too (a script that loops over
+    settings must not reuse its outputs), saying it is finished"""
     out, _ = full_run
     p = soar(out, "--dataset_size", "5", "--outer_steps", "4")
     assert p.returncode != 0 and "other settings" in p.stdout + p.stderr and \
         "'dataset_size': (4, 5)" in p.stdout + p.stderr
     p = soar(out, "--dataset_size", "5")
-    assert p.returncode == 0 and "all 3 steps are done already; nothing to do" in p.stdout and \
-        "'dataset_size': (4, 5)" in p.stdout
+    assert p.returncode != 0 and "nothing to do" not in p.stdout + p.stderr
+    assert "is finished (all 3 steps), and" in p.stderr and "'dataset_size': (4, 5)" in p.stderr
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +178,24 @@ def test_ranks_that_decide_apart_stop_with_one_error(tmp_path):
     assert "step 0's decision differs between ranks: rank 0: {" in err and "; rank 1: {" in err, \
         err[-3000:]
     assert err.count("differs between ranks") == 1, err[-3000:]   # printed by rank 0 alone
+
+
+def test_a_nan_reward_is_one_decision_and_an_unkept_student_stops_every_rank(tmp_path):
+    """tests/skewed_groups.py SKEW=nan: at step 0 group 1's students measure NaN, so R holds NaN
+    (the same on every rank: the ranks agree, NaN or not), the step does not promote (MA is NaN) and
+    its teacher update is skipped as non-finite; at step 1 (tau -1) the chosen student was not kept
+    (can_promote made to say no): every rank stops with the error, printed once, where the chosen
+    group alone raising would leave the other waiting in the broadcast"""
+    out = tmp_path / "nan"
+    p = skewed(out, "nan", "--outer_steps", "2")
+    assert p.returncode != 0
+    err = p.stderr
+    assert "differs between ranks" not in err, err[-3000:]
+    assert err.count("was not kept") == 1 and "promote: student (" in err, err[-3000:]
+    assert "non-finite loss nan" in err and "update skipped" in err, err[-3000:]   # the teacher's
+    [step0] = rows(out / "metrics.jsonl")
+    assert any(math.isnan(x) for row in step0["R"] for x in row) and not step0["promoted"]
+    assert all(math.isnan(rows(out / f"decide-rank{r}.jsonl")[0]["reward"]) for r in (0, 1))
 
 
 @pytest.fixture(scope="module")

@@ -78,10 +78,12 @@ def test_can_promote_only_when_the_window_can_pass_tau():
     assert not soar.can_promote(Config(window=1, reward="learnability"), [0.5])
 
 
-def test_a_chosen_student_that_was_not_kept_is_an_error():
+def test_a_chosen_student_that_was_not_kept_is_an_error(monkeypatch):
     """promote on a group (here the only one) that kept no snapshot of the chosen student, as after
     a reward above 1 that can_promote did not foresee: an error, not another student in its place.
-    The group's last student needs no snapshot: it is still in run.student (None)."""
+    The group's last student needs no snapshot: it is still in run.student (None). (One rank: its
+    all_gather is its own value; test_soar_e2e has every rank raise.)"""
+    monkeypatch.setattr(soar.rloo, "all_gather", lambda obj, group=None: [obj])
     class Mesh:   # one group of one rank
         def __getitem__(self, name):
             return self
@@ -166,6 +168,23 @@ def test_a_layout_that_cannot_fit_is_named_before_anything_loads(tmp_path):
                     "--micro_batch_tokens 4096 or --gpu_memory_utilization 0.45",
                     gpu_memory_utilization=0.5)
     assert "~83 GiB" in line
+    # host RAM: theta and the candidates, fp32 shards, g*r*4N/W bytes a rank (~24 GiB on 8 GPUs),
+    # within half a rank's RAM: a node of 8 with 512 GiB holds them, one with 256 does not
+    def host(W, host_gib, **flags):
+        cfg = Config(train="t", model=str(tmp_path / "llama3b"), **flags)
+        return launch.check_settings(cfg, W, 359, 1200, True, gpu_gib=139.0, host_gib=host_gib)
+    assert host(8, 512 / 8) == [] and host(32, 256 / 8) == []
+    [line] = host(8, 256 / 8)
+    assert line.startswith("theta and the promotion candidates need ~24 GiB of host RAM per rank") \
+        and line.endswith("it fits with --lora_rank 32")
+    assert host(8, 256 / 8, lora_rank=32) == []
+    # LoRA's GPU memory: every adapter held (12 bytes a parameter), and the gradients of the one
+    # that trains twice (its flat copy for the all-reduce)
+    config3b = LlamaConfig(**bench.SHAPES["llama3b"])
+    est = launch.memory_per_rank(config3b, gpu_gib=80.0, engine_share=0.3, policy_ranks=[1],
+                                 lora_rank=32, adapters=3)
+    a = launch.lora.adapter_parameters(config3b, 32)
+    assert est["adapters"] == pytest.approx((3 * 12 + 2 * 4) * a / launch.GIB)
     # the activations: a fixed part, the head's chunk and a part per token (docs/scale.md)
     config = LlamaConfig(**bench.SHAPES["llama3b"])
     assert launch.activation_gib(config, 16384, True) == pytest.approx(11.9, abs=0.05)   # measured

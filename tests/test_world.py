@@ -169,3 +169,55 @@ def test_a_changed_recipe_is_refused_until_the_worlds_ship_again(monkeypatch):
     with pytest.raises(launch.UsageError, match=r"rebuild it with `python world\.py --ship "
                                                 r"--small`$"):
         world.build_world(small=True)
+
+
+def test_an_edited_build_function_is_refused_until_the_worlds_ship_again(monkeypatch, tmp_path):
+    """the key covers world.py's build code (world.build_code), not only its recipe and VERSION: a
+    copy of world.py whose make_problem draws otherwise is refused; one whose edit is a docstring,
+    a comment or a function that only prints (summary) is not"""
+    with open(world.__file__) as f:
+        source = f.read()
+    assert source.count("def make_problem(") == 1
+    edits = {
+        "build": source.replace("def make_problem(rng: random.Random, kind: str, level, "
+                                "steps=(1, 1, 1)) -> dict:\n",
+                                "def make_problem(rng: random.Random, kind: str, level, "
+                                "steps=(1, 1, 1)) -> dict:\n    rng.random()\n"),
+        "docstring": source.replace('"""The built-in small world', '"""The small built-in world'),
+        "comment": source.replace("# the problem family", "# the family of problems"),
+        "summary": source.replace("def summary(paths: dict) -> str:\n",
+                                  "def summary(paths: dict) -> str:\n    print()\n"),
+    }
+    for name, edited in edits.items():
+        assert edited != source, name
+        path = tmp_path / f"{name}.py"
+        path.write_text(edited)
+        monkeypatch.setattr(world, "__file__", str(path))
+        if name == "build":
+            with pytest.raises(launch.UsageError, match=r"another recipe or build code"):
+                world.build_world(small=True)
+        else:
+            assert world.build_world(small=True) == world._paths(
+                os.path.join(world.SHIPPED, "small")), name
+
+
+def test_a_shipped_world_whose_files_changed_is_refused(monkeypatch, tmp_path):
+    """at load the shipped files are checked against the sha256 each had when built (stats.json)
+    and the hard set against its fingerprint: a changed weight file or hard split is named"""
+    import shutil
+    shutil.copytree(os.path.join(world.SHIPPED, "small"), tmp_path / "small")
+    monkeypatch.setattr(world, "SHIPPED", str(tmp_path))
+    assert world.build_world(small=True)["model"] == str(tmp_path / "small" / "model")
+    weights = tmp_path / "small" / "model" / "model.safetensors"
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 1
+    weights.write_bytes(bytes(blob))
+    with pytest.raises(launch.UsageError, match=r"files changed since it was built "
+                                                r"\(model/model\.safetensors; hard set"):
+        world.build_world(small=True)
+    blob[-1] ^= 1
+    weights.write_bytes(bytes(blob))
+    with open(tmp_path / "small" / "test.jsonl", "a") as f:
+        f.write(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    with pytest.raises(launch.UsageError, match=r"files changed since it was built \(test\.jsonl"):
+        world.build_world(small=True)
