@@ -150,11 +150,11 @@ def bench():
 def test_the_memory_table_counts_adapters_from_the_config():
     """bench --memory_table on Llama-3.2-3B's shape, rank 32: an adapter is 48.6 M parameters
     (issue #39's arithmetic), and PopuLoRA's 8 + 8 hold sixteen of them on every rank, with AdamW,
-    and the gradients of the one that trains"""
+    and the gradients of the one that trains, twice (their flat copy for the all-reduce)"""
     text = bench().memory_table("llama3b", 32)
     assert "an adapter 48.6 M" in text
     held, gradients = 12 * 48.6e6 / 2 ** 30, 4 * 48.6e6 / 2 ** 30   # fp32 weights and AdamW
-    assert f"adapters {16 * held + gradients:.1f}" in text
+    assert f"adapters {16 * held + 2 * gradients:.1f}" in text
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 6   # the header, then 1 to 32 GPUs
 
