@@ -102,7 +102,8 @@ RECIPES["small"] = dict(   # the tests': formats and plumbing, not skill
     steps=150, hard=[("word", "---")], k=32, need=8, batch_candidates=32, max_candidates=256,
     teacher_samples=64, level_samples=8,
     probe=[("add", 1), ("word", "+"), ("word", "-"), ("word", "---")])
-VERSION = 6                 # bump when the recipe or its sampling changes: part of the cache key
+VERSION = 6                 # part of the key: bump it when what the build calls outside world.py
+                            # and data.py (the engine's sampling, rloo) changes; the rest is in it
 
 # -----------------------------------------------------------------------------
 
@@ -507,7 +508,7 @@ def file_hashes(folder: str) -> dict[str, str]:
     return dict(sorted(hashes.items()))
 
 
-def check_files(folder: str, stats: dict) -> None:
+def check_files(folder: str, stats: dict, small: bool) -> None:
     """Refuse a world whose files are not the ones it was built with (stats.json's sha256 of each,
     and its hard set's fingerprint), naming the files that differ or are missing"""
     from launch import UsageError   # (torch: not at the top, see the imports)
@@ -519,7 +520,7 @@ def check_files(folder: str, stats: dict) -> None:
         raise UsageError(f"{folder}: files changed since it was built ({', '.join(changed)}; hard "
                          f"set fingerprint {fingerprint(*halves)}, built {stats['fingerprint']}): "
                          f"restore them (git checkout {folder}) or rebuild it with "
-                         "`python world.py --ship`")
+                         f"`python world.py --ship{' --small' * small}`")
 
 
 def _paths(out: str) -> dict:
@@ -581,7 +582,7 @@ def shipped_world(small: bool = False) -> dict:
         raise UsageError(f"{folder} was built from another recipe or build code than world.py's "
                          f"(key {stats.get('key')}, now {key}): rebuild it with `python world.py "
                          f"--ship{' --small' * small}`")
-    check_files(folder, stats)
+    check_files(folder, stats, small)
     return paths
 
 
