@@ -668,6 +668,11 @@ def student_groups(cfg, world_size: int) -> int:
                                       and d <= cfg.num_datasets * cfg.students), default=1)
 
 
+def students_per_group(cfg, world_size: int) -> int:
+    """the most of the g*r students one group trains in a step (round-robin over the G groups)"""
+    return -(-cfg.num_datasets * cfg.students // student_groups(cfg, world_size))
+
+
 def memory_per_rank(config, *, gpu_gib: float, engine_share: float, policy_ranks: list[int],
                     lora_rank: int = 0, adapters: int = 0, kl: bool = True,
                     micro_batch_tokens: int = 16384,
@@ -718,7 +723,7 @@ def memory(cfg, world_size: int, gpu_gib: float, config) -> dict[str, float]:
     G = student_groups(cfg, world_size)
     return memory_per_rank(config, gpu_gib=gpu_gib, engine_share=cfg.gpu_memory_utilization,
                            policy_ranks=[world_size, world_size // G], lora_rank=cfg.lora_rank,
-                           adapters=1 + -(-cfg.num_datasets * cfg.students // G),
+                           adapters=1 + students_per_group(cfg, world_size),
                            kl=cfg.kl_coef > 0, micro_batch_tokens=cfg.micro_batch_tokens,
                            activation_checkpointing=cfg.activation_checkpointing)
 
@@ -728,12 +733,11 @@ def host_memory(cfg, world_size: int, config) -> float:
     promote (rloo.snapshot: its fp32 shard of each, pinned on GPUs): one copy per student of its
     group at most (theta, and every student but the last, which stays on the GPUs); with LoRA,
     whole adapters. About g*r*4N/W bytes for full fine-tuning, whatever the groups."""
-    G = student_groups(cfg, world_size)
-    per_group = max(-(-cfg.num_datasets * cfg.students // G), 1)
+    per_group = max(students_per_group(cfg, world_size), 1)
     if cfg.lora_rank:
         params = lora.adapter_parameters(config, cfg.lora_rank)
     else:
-        params = rloo.parameter_count(config) / (world_size // G)
+        params = rloo.parameter_count(config) / (world_size // student_groups(cfg, world_size))
     return per_group * SNAPSHOT_BYTES * params / GIB
 
 
@@ -853,7 +857,7 @@ def load_models(cfg, device, world_size: int, tok, seq_len: int, hard: list, ckp
     mesh = init_device_mesh(device.type, (G, world_size // G), mesh_dim_names=("group", "fsdp"))
     teacher_mesh = init_device_mesh(device.type, (world_size,))
     # with LoRA a group trains all its students at once (the most students a group has)
-    at_once = -(-cfg.num_datasets * cfg.students // G) if cfg.lora_rank else 1
+    at_once = students_per_group(cfg, world_size) if cfg.lora_rank else 1
     seqs = step_sequences(cfg, world_size, G, at_once)
     llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len, verbose=cfg.verbose,
                             gpu_memory_utilization=cfg.gpu_memory_utilization,

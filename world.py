@@ -516,9 +516,10 @@ def check_files(folder: str, stats: dict, small: bool) -> None:
     halves = [data.read_jsonl(paths[half]) for half in ("train", "test")]
     have = file_hashes(folder)
     changed = [name for name, sha in stats["files"].items() if have.get(name) != sha]
-    if changed or fingerprint(*halves) != stats["fingerprint"]:
+    hard_set = fingerprint(*halves)
+    if changed or hard_set != stats["fingerprint"]:
         raise UsageError(f"{folder}: files changed since it was built ({', '.join(changed)}; hard "
-                         f"set fingerprint {fingerprint(*halves)}, built {stats['fingerprint']}): "
+                         f"set fingerprint {hard_set}, built {stats['fingerprint']}): "
                          f"restore them (git checkout {folder}) or rebuild it with "
                          f"`python world.py --ship{' --small' * small}`")
 
