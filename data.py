@@ -30,6 +30,19 @@ from multiprocessing.connection import wait
 
 import numpy as np
 
+# =================================================================================================
+# THE TASK: what a student solves and how its answer is checked (METHOD.md "Prompts", "Rewards").
+# Another task or checker (exact-match answers, code, ...) is this block alone: load_problems, the
+# teacher's format filter, grading (grade, solved) and the other files use these names, never the
+# checker's own library (math-verify here, which only the grading workers import).
+#   TEACHER_PROMPT, STUDENT_PROMPT    the prompts; student_prompt(question) fills in the second
+#   extract_answer(completion)        what of a completion the reward reads (None: it gives none)
+#   answer_reward(answer, gold)       the student reward of that answer (run in a grading worker)
+#   quick_reward(answer, gold)        answer_reward's first step where it needs no worker, or None
+#   answer_is_valid(answer)           can the checker read this answer? (a gold one, a teacher's)
+#   R_CORRECT                         the reward that counts as solved (Acc, pass@k, fail@k)
+# The shipped worlds' hard sets depend on this block: rebuild them after changing it
+# (`python world.py --ship`, and `--ship --small`).
 # ---- prompts (METHOD.md "Prompts", verbatim from the paper) ----
 TEACHER_PROMPT = """You are generating a new math problem for a math assistant.
 Allowed topics: Algebra, Counting and Probability, Geometry, Intermediate Algebra, Number Theory, \
@@ -54,6 +67,78 @@ provides the final answer in \\boxed{}. The assistant must always follow the for
 
 User: {question} Assistant:"""
 
+# rewards (METHOD.md "Rewards")
+R_CORRECT = 120.0   # the answer verifies against the gold answer (solved: exactly this)
+R_CONTAINS = 20.0   # an answer, not verified, but the gold string occurs inside it
+R_BOXED = 10.0      # an answer, neither of the above (also: grading timed out)
+R_NONE = 0.0        # no boxed answer at all
+MV_TIMEOUT_S = 1    # math-verify parse/verify timeouts, each (an int: a float silently fails)
+_INT = re.compile(r"-?[0-9]{1,18}")   # a plain ASCII integer, short enough that int() is instant
+
+
+def student_prompt(question: str) -> str:
+    return STUDENT_PROMPT.replace("{question}", question)  # not .format: questions contain braces
+
+
+def extract_answer(completion: str) -> str | None:
+    """the answer a completion gives: its last \\boxed{...} (None without one)"""
+    return last_boxed(completion)
+
+
+def quick_reward(answer: str | None, gold: str) -> float | None:
+    """answer_reward where it needs no math-verify: no answer, or two plain integers (math-verify's
+    verdict for them, tested); None otherwise. grade takes this step in-process."""
+    if answer is None:
+        return R_NONE
+    b, g = answer.strip(), gold.strip()   # (int() refuses some of what strip() removes)
+    if _INT.fullmatch(b) and _INT.fullmatch(g):
+        return R_CORRECT if int(b) == int(g) else R_CONTAINS if g in b else R_BOXED
+    return None
+
+
+def answer_reward(answer: str | None, gold: str) -> float:
+    """120/20/10/0 (METHOD.md "Rewards"), math-verify in-process: grade() runs it in workers."""
+    quick = quick_reward(answer, gold)
+    if quick is not None:
+        return quick
+    from math_verify import verify
+    pred, ref = _mv_parse(answer), _mv_parse(gold)
+    if pred and ref and verify(ref, pred, timeout_seconds=MV_TIMEOUT_S):  # gold first (asymmetric)
+        return R_CORRECT
+    return R_CONTAINS if gold.strip() and gold.strip() in answer else R_BOXED
+
+
+def answer_is_valid(answer: str) -> bool:
+    # math-verify falls back to the raw string when it cannot parse: demand a real (sympy) object
+    return any(not isinstance(x, str) for x in _mv_parse(answer))
+
+
+def _mv_parse(s: str):
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+    return parse("\\boxed{" + s + "}",
+                 extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+                 parsing_timeout=MV_TIMEOUT_S)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of text's last \\boxed{...}, brace-matched (pure string work, safe on any input)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None  # unclosed: truncated output
+
+
+def student_reward(completion: str, gold: str) -> float:
+    """the reward of a whole completion, in-process (grade() grades model text safely)"""
+    return answer_reward(extract_answer(completion), gold)
+# ==================================================================================== (task ends)
+
 # ---- the two-turn teacher's (METHOD.md "Two-turn teacher"; the paper prints neither, ours): turn 1
 # answers TEACHER_PROMPT and ends where its question does; turn 2 answers after p' (answer_prompt)
 QUESTION_STOP = "</question>"   # the engine's stop string in turn 1; question_end may end it sooner
@@ -66,17 +151,7 @@ WORLD_ANSWER_CUE = "answer"        # p' of form "tag": the answer tag's name (an
 # fallback): the teacher prompt is the same bytes every day, in every resume, in training and eval
 TEMPLATE_DATE = "26 Jul 2024"
 
-# ---- rewards (METHOD.md "Rewards") ----
-R_CORRECT = 120.0   # boxed answer verifies against the gold answer (solved: exactly this)
-R_CONTAINS = 20.0   # boxed, not verified, but the gold string occurs inside the boxed answer
-R_BOXED = 10.0      # boxed, neither of the above (also: grading timed out)
-R_NONE = 0.0        # no boxed answer at all
-# grade's contract: student_reward reads (last boxed answer, gold) alone, which lets grade key,
-# dedup and shortcut on it. A fork whose reward reads the whole completion sets this False.
-REWARD_READS_BOXED_ONLY = True
-
 # ---- grading pool: math-verify's timeouts use SIGALRM (main thread only): processes, not threads
-MV_TIMEOUT_S = 1          # math-verify parse/verify timeouts, each (an int: a float silently fails)
 DEADLINE_S = 6.0          # outer deadline per item: a worker past it is killed and replaced
 SPAWN_TIMEOUT_S = 120     # a worker's start (imports included), on a loaded machine too
 # per rank: the node's cores shared by the ranks on it (torchrun sets LOCAL_WORLD_SIZE)
@@ -122,24 +197,6 @@ def answer_prompt(tokenizer, form: str) -> list[int]:
                      add_special_tokens=False).input_ids
 
 
-def student_prompt(question: str) -> str:
-    return STUDENT_PROMPT.replace("{question}", question)  # not .format: questions contain braces
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of text's last \\boxed{...}, brace-matched (pure string work, safe on any input)."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i = start + len("\\boxed{")
-    depth = 1
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None  # unclosed: truncated output
-
-
 # the first question, closed by </question> or (as the paper prints it) by <question>, then its
 # answer, no other <question> between; text around and between is free (METHOD.md "Format filter")
 _Q = re.compile(r"<question>((?:(?!</?question>).)*?)(?:</question>|<question>)"
@@ -149,7 +206,7 @@ _Q = re.compile(r"<question>((?:(?!</?question>).)*?)(?:</question>|<question>)"
 def question_end(text: str) -> int | None:
     """Where the first question of `text` ends as the format filter reads it (_Q): after the first
     </question> or <question> that follows its <question>; None while it is open. The two-turn
-    teacher's turn 1 ends there (rloo.sample_turns)."""
+    teacher's turn 1 ends there (rloo_extras.sample_turns)."""
     start = text.find("<question>")
     close = re.compile(r"</?question>").search(text, start + len("<question>")) if start >= 0 \
         else None
@@ -161,38 +218,13 @@ def _parse_teacher_text(text: str) -> tuple[str, str] | None:
     m = _Q.match(text, max(text.find("<question>"), 0))
     if m is None:
         return None
-    question, answer = m.group(1).strip(), last_boxed(m.group(2))
+    question, answer = m.group(1).strip(), extract_answer(m.group(2))
     if not question or answer is None or not answer.strip():
         return None
     return question, answer.strip()
 
 
-# ---- the math-verify side: run in the workers, which alone import math-verify (it loads sympy)
-def _mv_parse(s: str):
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
-    return parse("\\boxed{" + s + "}",
-                 extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-                 parsing_timeout=MV_TIMEOUT_S)
-
-
-def student_reward(completion: str, gold: str) -> float:
-    """120/20/10/0 (METHOD.md "Rewards"). Runs math-verify in-process: use grade() on model text."""
-    boxed = last_boxed(completion)
-    if boxed is None:
-        return R_NONE
-    from math_verify import verify
-    pred, ref = _mv_parse(boxed), _mv_parse(gold)
-    if pred and ref and verify(ref, pred, timeout_seconds=MV_TIMEOUT_S):  # gold first (asymmetric)
-        return R_CORRECT
-    return R_CONTAINS if gold.strip() and gold.strip() in boxed else R_BOXED
-
-
-def _answer_parses(answer: str) -> bool:
-    # math-verify falls back to the raw string when it cannot parse: demand a real (sympy) object
-    return any(not isinstance(x, str) for x in _mv_parse(answer))
-
-
-_TASKS = {"reward": student_reward, "parses": _answer_parses}
+_TASKS = {"reward": answer_reward, "parses": answer_is_valid}   # what the workers run
 
 
 def die_with_parent() -> None:
@@ -272,40 +304,34 @@ def _pool_map(kind: str, items: list[tuple], on_timeout) -> list:
     return out
 
 
-_INT = re.compile(r"-?[0-9]{1,18}")   # a plain ASCII integer, short enough that int() is instant
-
-
 def grade(completions: list[str], golds: list[str]) -> list[float]:
-    """student_reward for a batch, safely: a pathological answer costs at most DEADLINE_S of one
-    worker and is graded as a wrong boxed answer (R_BOXED). The contract with student_reward (a
-    fork that changes it must keep it, or set REWARD_READS_BOXED_ONLY = False): it depends on
-    (last boxed answer, gold) alone, so each distinct pair goes to the workers once (samples repeat
-    a lot), plain integers are compared here and no box is R_NONE without a worker."""
+    """The student reward of each completion (the task's extract_answer, then answer_reward),
+    safely: a pathological answer costs at most DEADLINE_S of one worker and is graded as a wrong
+    answer (R_BOXED). Each distinct (answer, gold) pair is graded once (samples repeat a lot), in
+    the workers unless quick_reward settles it."""
     if len(completions) != len(golds):
         raise ValueError(f"grade: {len(completions)} completions but {len(golds)} gold answers")
-    if not REWARD_READS_BOXED_ONLY:   # every distinct (completion, gold) to student_reward
-        pairs = list(dict.fromkeys(zip(completions, golds)))
-        graded = dict(zip(pairs, _pool_map("reward", pairs, R_BOXED)))
-        return [graded[pair] for pair in zip(completions, golds)]
-    keys = [(last_boxed(c), g) for c, g in zip(completions, golds)]
-    first = {}    # distinct pair -> its first completion, graded by a worker
-    graded = {}   # distinct pair -> reward (plain integers); no box: R_NONE, no worker needed
-    for i, (boxed, gold) in enumerate(keys):
-        b, g = (boxed or "").strip(), gold.strip()   # (int() refuses some of what strip() removes)
-        if _INT.fullmatch(b) and _INT.fullmatch(g):
-            # plain integers: math-verify's verdict without a worker (what it says for them, tested)
-            graded[boxed, gold] = (R_CORRECT if int(b) == int(g) else
-                                   R_CONTAINS if g in b else R_BOXED)
-        elif boxed is not None:
-            first.setdefault((boxed, gold), i)
+    return grade_answers([extract_answer(c) for c in completions], golds)
+
+
+def grade_answers(answers: list[str | None], golds: list[str]) -> list[float]:
+    """grade's second half: answer_reward of each (answer, gold) pair"""
+    pairs = list(zip(answers, golds))
+    graded = {}   # distinct pair -> reward
+    todo = []     # distinct pairs that need a worker
+    for pair in dict.fromkeys(pairs):
+        quick = quick_reward(*pair)
+        if quick is None:
+            todo.append(pair)
+        else:
+            graded[pair] = quick
     before = sum(GRADING_FAULTS.values())
-    graded |= dict(zip(first, _pool_map("reward", [(completions[i], golds[i])
-                                                   for i in first.values()], R_BOXED)))
+    graded |= dict(zip(todo, _pool_map("reward", todo, R_BOXED)))
     failed = sum(GRADING_FAULTS.values()) - before
-    if failed > WARN_FAULT_SHARE * len(first):
-        print(f"grade: {failed} of {len(first)} distinct answers timed out or crashed their "
+    if failed > WARN_FAULT_SHARE * len(todo):
+        print(f"grade: {failed} of {len(todo)} distinct answers timed out or crashed their "
               f"grading worker; scored as wrong (R_BOXED)", file=sys.stderr, flush=True)
-    return [graded.get(k, R_NONE) for k in keys]
+    return [graded[pair] for pair in pairs]
 
 
 def solved(completions: list[str], golds: list[str]) -> list[bool]:
@@ -332,7 +358,8 @@ def engine_len(tok, questions: list[str], student_max_tokens: int,
 
 
 def parse_teacher_batch(texts: list[str]) -> list[tuple[str, str] | None]:
-    """METHOD.md "Format filter", batched: tags, one problem, a boxed answer math-verify parses."""
+    """METHOD.md "Format filter", batched: tags, one problem, an answer the checker reads
+    (answer_is_valid)."""
     pairs = [_parse_teacher_text(t) for t in texts]
     idx = [i for i, p in enumerate(pairs) if p is not None]
     for i, ok in zip(idx, _pool_map("parses", [(pairs[i][1],) for i in idx], False)):
@@ -396,10 +423,10 @@ def majority_labels(groups: list[list[str]]) -> list[tuple[str | None, float]]:
     """majority() of each group of completions (one question's samples) over their last boxed
     answers, two answers equal when math-verify says so either way round (as SeRL's reward does;
     graded in the worker pool)."""
-    answers = [[(last_boxed(c) or "").strip() or None for c in g] for g in groups]
+    answers = [[(extract_answer(c) or "").strip() or None for c in g] for g in groups]
     pairs = sorted({(a, b) for g in answers for a in g for b in g
                     if a is not None and b is not None and a != b})
-    verdicts = grade(["\\boxed{" + a + "}" for a, _ in pairs], [b for _, b in pairs])
+    verdicts = grade_answers([a for a, _ in pairs], [b for _, b in pairs])
     equal = {pair for pair, r in zip(pairs, verdicts) if r == R_CORRECT}
     return [majority(g, lambda a, b: a == b or (a, b) in equal or (b, a) in equal)
             for g in answers]
@@ -472,7 +499,7 @@ def read_harp_zip(file) -> list[dict]:
 def load_problems(source: str) -> list[dict]:
     """A problem pool as [{"question", "answer"}]: 'math' | 'harp' | 'olympiad' from the hub, or a
     local .jsonl / .parquet file with question/answer fields. Bad rows raise, naming file and line.
-    Problems without a gold answer, or whose gold answer math-verify cannot parse, are dropped with
+    Problems without a gold answer, or whose gold answer the checker cannot read, are dropped with
     a note (they could never be solved, so they would pass any fail@k filter: METHOD.md "Data")."""
     if source in ("math", "harp", "olympiad"):
         try:
@@ -496,7 +523,8 @@ def load_problems(source: str) -> list[dict]:
     bad = [r["answer"] for r, good in zip(rows, ok) if not good]
     if bad:
         print(f"load_problems({source}): dropped {len(bad)} of {len(rows)} problems whose "
-              f"gold answer math-verify cannot parse (e.g. {bad[0]!r})", file=sys.stderr)
+              f"gold answer the checker cannot read (answer_is_valid; e.g. {bad[0]!r})",
+              file=sys.stderr)
     return [r for r, good in zip(rows, ok) if good]
 
 

@@ -39,6 +39,7 @@ import data
 import launch
 import lora
 import rloo
+import rloo_extras
 import world
 
 
@@ -193,6 +194,12 @@ MAY_CHANGE = {"prompt_pass", "runs", "out", "seeds", "ckpt_every", "micro_batch_
               "wandb_name"}   # settings a resumed run may change
 
 
+def sept_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """SePT (METHOD.md "SePT"): advantage 1 for every sample whatever its reward, so rloo_loss
+    without KL is the NLL of the samples themselves."""
+    return torch.ones_like(rewards)
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One row of the tables: what it evaluates, or where its fresh student's questions come from
@@ -204,7 +211,7 @@ class Row:
     keep: str = ""        # only the questions with this label (pq_subset: correct, wellposed)
     subsample: bool = False   # at most --teacher_questions of them, drawn per seed
     group: str = "student_samples"    # the Config field of its RLOO group size
-    advantages: object = rloo.rloo_advantages   # its student's advantages (rloo.sept_advantages)
+    advantages: object = rloo.rloo_advantages   # its student's advantages (sept_advantages)
     temperature: str = "temperature"  # the Config field of its student's sampling temperature
     train_temperature: float | None = None   # its log-probs' in training; None: the sampling one
     kl: bool = True       # the k3 KL to the base model in its student's loss
@@ -236,7 +243,7 @@ ROWS = {  # the paper's Tables 4-6 rows, in its order (the report keeps it); a n
     "opensir-t": Row("fresh student on 128 questions of the OpenSIR-style teacher + hard train",
                      teacher="{opensir}/teacher"),
     "sept": Row("fresh student, SePT: NLL on its own answers to the hard train split, no reward",
-                advantages=rloo.sept_advantages, temperature="sept_temperature", kl=False,
+                advantages=sept_advantages, temperature="sept_temperature", kl=False,
                 train_temperature=1.0),   # NLL of the model itself on its sharper samples
     "serl": Row("fresh student, SeRL: each step it writes questions (few-shot, from the hard train "
                 "split), labels them by its majority vote, keeps them by quality, diversity and "
@@ -480,7 +487,7 @@ def serve(path: str, llm) -> None:
     if lora.adapter_rank(path):
         lora.serve_adapter(llm, path)
     else:
-        rloo.serve_hf(llm, path)
+        rloo_extras.serve_hf(llm, path)
 
 
 def teacher_questions(path: str, cfg: Config, seed: int, llm, tok) -> list[dict]:
@@ -493,7 +500,7 @@ def teacher_questions(path: str, cfg: Config, seed: int, llm, tok) -> list[dict]
     how = dict(max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,
                group=dist.group.WORLD)
     if form:
-        draw = rloo.turns_of(llm, data.teacher_prompt(tok),
+        draw = rloo_extras.turns_of(llm, data.teacher_prompt(tok),
                              answer_prompt=data.answer_prompt(tok, form), stop=data.QUESTION_STOP,
                              turn_end=data.question_end, **how)
     else:
@@ -585,7 +592,8 @@ def serl_update(cfg: Config, policy, llm, batch: list[tuple[str, str]], seed: in
     and every later token (--serl_kl 0: no penalty, no reference); the returns whitened over the
     batch's tokens; then one PPO update (rloo.ppo_loss, clip --serl_clip) per --serl_train_batch
     rollouts, in a shuffled order, each against the log-probs the policy gave them before the
-    first. Returns rl_step's stats (the updates' means, the harness's rewards) and `updates`."""
+    first: rl_step's path for several updates (rloo.minibatches, rloo.update_minibatches). Returns
+    rl_step's stats (the updates' means, the harness's rewards) and `updates`."""
     group = dist.group.WORLD
     k = cfg.student_samples
     with rloo.timed("sync"):
@@ -595,13 +603,11 @@ def serl_update(cfg: Config, policy, llm, batch: list[tuple[str, str]], seed: in
                                   temperature=cfg.temperature, group=group)
     table = serl_rewards(rewards, k)
     shaped = serl_advantages(table).flatten().tolist()
-    order = list(range(len(flat)))
-    random.Random(seed).shuffle(order)
-    updates = [rloo.my_share(order[i:i + cfg.serl_train_batch], group)
-               for i in range(0, len(order), cfg.serl_train_batch)]
-    mine = [i for rows in updates for i in rows]
-    prompts = [flat[i][0].prompt_token_ids for i in mine]
-    completions = [flat[i][0].token_ids for i in mine]
+    batches = rloo.minibatches(len(flat), cfg.serl_train_batch, seed, group)
+    mine = [i for rows in batches for i in rows]
+    samples = [smp for smp, _ in flat]
+    prompts = [samples[i].prompt_token_ids for i in mine]
+    completions = [samples[i].token_ids for i in mine]
     opts = dict(temperature=cfg.temperature, dev=policy.device, shared=policy.shared_prompts,
                 micro_batch_tokens=cfg.micro_batch_tokens, group=policy.mesh.get_group())
     old = rloo.sequence_logprobs(policy.model, prompts, completions, **opts)
@@ -610,19 +616,13 @@ def serl_update(cfg: Config, policy, llm, batch: list[tuple[str, str]], seed: in
         ref = rloo.sequence_logprobs(policy.ref, prompts, completions, **opts)
     returns = [kl_returns(shaped[i], o, r, cfg.serl_kl) for i, o, r in zip(mine, old, ref)]
     adv = dict(zip(mine, whiten(returns, group, policy.device)))
-    old = dict(zip(mine, old))
-    loss = functools.partial(rloo.ppo_loss, clip=cfg.serl_clip)
-    stats = [rloo.train_step(policy, [flat[i][0].prompt_token_ids for i in rows],
-                             [flat[i][0].token_ids for i in rows], [adv[i] for i in rows],
-                             loss=loss, temperature=cfg.temperature,
-                             micro_batch_tokens=cfg.micro_batch_tokens,
-                             old_logprobs=[old[i] for i in rows])
-             for rows in updates]
-    mean = {key: statistics.fmean(s[key] for s in stats)
-            for key in ("loss", "pg_loss", "kl", "grad_norm", "lr", "tokens")}
-    return {**mean, "skipped": any(s["skipped"] for s in stats), "updates": len(updates),
-            "reward": statistics.fmean(rewards), "rewards": rewards,
-            "nontrivial": (table.std(1) > 0).tolist()}
+    stats = rloo.update_minibatches(policy, samples, adv, batches,
+                                    loss=functools.partial(rloo.ppo_loss, clip=cfg.serl_clip),
+                                    temperature=cfg.temperature,
+                                    micro_batch_tokens=cfg.micro_batch_tokens,
+                                    old_logprobs=dict(zip(mine, old)))
+    return {**stats, "updates": len(batches), "reward": statistics.fmean(rewards),
+            "rewards": rewards, "nontrivial": (table.std(1) > 0).tolist()}
 
 
 def serl_rewards(rewards: list[float], k: int) -> torch.Tensor:
@@ -741,7 +741,7 @@ def student_step(cfg: Config, row: Row, seed: int, step: int, policy, llm, tok, 
     """One RLOO step of a fresh student on its sampler's questions (SeRL: and on the questions it
     writes, self_instruct()): the step's metrics row."""
     t0 = time.perf_counter()
-    rloo.METER.reset()   # this step's counts only (not the evaluation's nor another run's)
+    launch.METER.reset()   # this step's counts only (not the evaluation's nor another run's)
     faults = data.grading_faults()
     source, pool, idx = batch_at(step, synthetic, real, cfg, seed)
     portfolio = None
@@ -1027,7 +1027,7 @@ def cmd_filter(cfg: Config, pools: list[str]) -> None:
     for index, (pool, probs) in enumerate(problems.items()):
         out = os.path.join(cfg.out, os.path.splitext(os.path.basename(pool))[0])
         counts_path = os.path.join(out, "counts.jsonl")
-        have = rloo.on_rank0(counted, counts_path)
+        have = launch.on_rank0(counted, counts_path)
         rloo.print0(f"{pool}: {len(probs)} problems, {len(have)} done")
         for lo in tqdm(range(len(have), len(probs), chunk), disable=not rloo.rank0(), desc=pool,
                        dynamic_ncols=True):

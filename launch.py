@@ -17,15 +17,18 @@ import shutil
 import socket
 import sys
 import time
+import pickle
 import traceback
 import zlib
+from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import data
 import lora
@@ -55,6 +58,10 @@ CONTEXT_GIB = 3.0           # a margin for the CUDA context, cuBLAS workspaces a
 # may take this share of a rank's part of the host's RAM; the rest is for the processes themselves
 SNAPSHOT_BYTES = 4
 HOST_SHARE = 0.5
+# GPU engines: vLLM's default prefill batch on large GPUs; the activations it profiles for it come
+# off the KV cache, so step_engine_args asks for no more than a step's prompts (at least MIN)
+ENGINE_MAX_BATCHED_TOKENS = 16384
+ENGINE_MIN_BATCHED_TOKENS = 2048
 # -----------------------------------------------------------------------------
 
 
@@ -94,6 +101,57 @@ def main(script: str, fn, *args) -> None:
     finally:
         rloo.shutdown()
     sys.exit(code)
+
+
+# -----------------------------------------------------------------------------
+# decisions made once: on rank 0 for all, or checked alike on every rank
+
+def on_rank0(fn, *args):
+    """fn(*args) on rank 0 alone, its result (or its error) on every rank: what rests on a timeout
+    or on the filesystem (a problem list, a lock, a checkpoint's listing) is decided once, so ranks
+    never disagree nor wait on a rank that failed alone. Rank 0 raises the error itself, traceback
+    and all; the other ranks raise a copy marked `from_rank0`, with rank 0's traceback as a note.
+    Before init_distributed: just fn(*args)."""
+    if not dist.is_initialized():
+        return fn(*args)
+    res = None
+    err = None
+    if rloo.rank0():
+        try:
+            res = (fn(*args), None, None)
+        except Exception as e:
+            err = e
+            try:
+                pickle.dumps(e)
+                copy = e
+            except Exception:   # an exception that does not pickle travels as its text
+                copy = RuntimeError(f"{type(e).__name__}: {e}")
+            res = (None, copy, traceback.format_exc())
+    value, copy, trace = rloo.all_gather(res)[0]
+    if err is not None:
+        raise err
+    if copy is not None:
+        copy.from_rank0 = True
+        copy.add_note(f"(raised on rank 0)\n{trace}")
+        raise copy
+    return value
+
+
+def check_same(value, what: str, group=None) -> None:
+    """Raise on every rank if the ranks of group hold different values of `what` (what a
+    collective that follows relies on), naming each value and its ranks: one clear error in place
+    of a hang until the collectives' timeout. Values are compared by repr, so NaN equals NaN."""
+    parts = rloo.all_gather(value, group)
+    if all(repr(part) == repr(parts[0]) for part in parts):
+        return
+    ranks = defaultdict(list)
+    for rank, part in enumerate(parts):
+        ranks[repr(part)].append(rank)
+    err = RuntimeError(f"{what} differs between ranks: " + "; ".join(
+        f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {v}" for v, r in ranks.items()))
+    err.from_rank0 = not rloo.rank0()   # every rank knows it: rank 0 alone prints it (launch.main)
+    raise err
+
 
 
 # -----------------------------------------------------------------------------
@@ -172,7 +230,7 @@ def problems(path: str) -> list[dict]:
             return data.load_problems(path)
         except (ValueError, OSError, RuntimeError) as e:
             raise UsageError(str(e)) from None
-    return rloo.on_rank0(load)
+    return on_rank0(load)
 
 
 # -----------------------------------------------------------------------------
@@ -186,7 +244,7 @@ def lock_folder(folder: str) -> None:
     without it, a file .lock.pid made with O_EXCL). A second run on the folder stops at once with an
     error naming the folder and the live process; a dead run's lock never blocks its resume (flock
     goes with its process; a .lock.pid naming a dead pid of this host is taken over). All call."""
-    rloo.on_rank0(_lock, folder)
+    on_rank0(_lock, folder)
 
 
 def _lock(folder: str) -> None:
@@ -310,23 +368,23 @@ def save_checkpoint(out: str, step: int, policies: dict, state: dict, unchanged:
             raise RuntimeError(f"the {name}'s weights or optimizer state are not finite after step "
                                f"{step}: not saved (the last checkpoint stays as it was)")
     final = os.path.join(out, "ckpt", f"step-{step}")
-    prev = (rloo.on_rank0(ckpt_dirs, out) or [None])[-1]
+    prev = (on_rank0(ckpt_dirs, out) or [None])[-1]
     tmp = final + ".tmp"
-    linked = rloo.on_rank0(lambda: [n for n in unchanged
+    linked = on_rank0(lambda: [n for n in unchanged
                                if prev and os.path.isdir(os.path.join(prev, n))])
     try:
-        rloo.on_rank0(_begin, tmp, prev, linked, rows or {})
+        on_rank0(_begin, tmp, prev, linked, rows or {})
         for name, (policy, optimizer) in policies.items():
             if name not in linked:
                 rloo.save_state(policy, os.path.join(tmp, name), optimizer)
-        listing = rloo.on_rank0(lambda: {os.path.relpath(os.path.join(d, f), tmp): None
+        listing = on_rank0(lambda: {os.path.relpath(os.path.join(d, f), tmp): None
                                     for d, _, fs in os.walk(tmp) for f in fs})
         checked = [x for part in rloo.all_gather(_checked(tmp, listing)) for x in part]
         if bad := [x for x in checked if isinstance(x, str)]:
             raise OSError(bad[0])
-        rloo.on_rank0(_finish, out, tmp, final, state, {r: [n, c] for r, n, c in checked})
+        on_rank0(_finish, out, tmp, final, state, {r: [n, c] for r, n, c in checked})
     except (Exception, CheckpointException) as e:   # (the latter is a BaseException)
-        rloo.on_rank0(shutil.rmtree, tmp, True)
+        on_rank0(shutil.rmtree, tmp, True)
         errs = [e, *[f[0] if isinstance(f, tuple) else f   # dcp's: each rank's (error, trace)
                      for f in getattr(e, "failures", {}).values()]]
         why = next((x.strerror for x in errs if isinstance(x, OSError) and x.strerror), None) \
@@ -354,7 +412,7 @@ def set_aside(path: str) -> str:
 def _damage(ckpt: str) -> str | None:
     """what is wrong with a checkpoint folder (a file missing, cut short or changed), or None"""
     try:
-        files = rloo.on_rank0(lambda: data.read_json(os.path.join(ckpt, "state.json"))["files"])
+        files = on_rank0(lambda: data.read_json(os.path.join(ckpt, "state.json"))["files"])
     except Exception as e:
         return f"{os.path.join(ckpt, 'state.json')} is unreadable ({e})"
     files = {r: v if isinstance(v, list) else [v, None] for r, v in files.items()}  # sizes only:
@@ -367,12 +425,12 @@ def resume(out: str, config: dict, may_change: set) -> tuple[str, dict] | tuple[
     damaged one (a file missing, cut short or changed: every file's size and CRC-32 are checked,
     each rank reading its share) is reported, set aside and the one before used. Refuses one whose
     saved config differs from `config` in a setting outside may_change (it would mix runs)."""
-    ckpts = rloo.on_rank0(ckpt_dirs, out)
+    ckpts = on_rank0(ckpt_dirs, out)
     damaged = []
     while ckpts and (damage := _damage(ckpts[-1])):
         damaged.append(damage)
         bad = ckpts.pop()
-        rloo.on_rank0(set_aside, bad)   # kept, for a post-mortem
+        on_rank0(set_aside, bad)   # kept, for a post-mortem
         if ckpts:
             rloo.print0(f"resume: {damage}; resuming from {ckpts[-1]} instead", file=sys.stderr)
     if damaged and not ckpts:
@@ -380,7 +438,7 @@ def resume(out: str, config: dict, may_change: set) -> tuple[str, dict] | tuple[
                            "move it away to start over")
     if not ckpts:
         return None, None
-    state = rloo.on_rank0(data.read_json, os.path.join(ckpts[-1], "state.json"))
+    state = on_rank0(data.read_json, os.path.join(ckpts[-1], "state.json"))
     diff = {k: (v, config.get(k)) for k, v in state["config"].items()
             if k not in may_change and config.get(k) != v}
     if diff:
@@ -437,6 +495,69 @@ def hf_behind(out: str, state: dict | None = None, names=("teacher", "student"))
 
 
 # -----------------------------------------------------------------------------
+# what a step spent: seconds per phase, and the tokens and events rloo counted under each
+
+class Meter:
+    """Exclusive timers and counts of one step: time in a nested timed() block counts only for
+    the inner phase, and so do the rloo.COUNTS it adds (tokens "generated", "trained";
+    "skipped_updates"); what was counted outside every phase goes to "other"."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds = defaultdict(float)   # phase: seconds
+        self.counts = defaultdict(int)      # "<kind>/<phase>": n, on this rank
+        self._open = []                     # [phase, seconds of nested blocks, their counts]
+        self._start = dict(rloo.COUNTS)     # rloo's counts when the step started
+
+    @contextmanager
+    def timed(self, phase: str):
+        t0 = time.perf_counter()
+        before = dict(rloo.COUNTS)
+        self._open.append([phase, 0.0, defaultdict(int)])
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            _, nested_seconds, nested = self._open.pop()
+            self.seconds[phase] += dt - nested_seconds
+            added = {kind: n - before.get(kind, 0) for kind, n in rloo.COUNTS.items()}
+            for kind, n in added.items():
+                if n - nested[kind]:
+                    self.counts[f"{kind}/{phase}"] += n - nested[kind]
+            if self._open:
+                self._open[-1][1] += dt
+                for kind, n in added.items():
+                    self._open[-1][2][kind] += n
+
+    def gathered(self, group=None) -> dict:
+        """the counts summed over the ranks of group: skipped_updates as one number, tokens as
+        tokens/{generated,trained}/<phase>, any other kind under its own name"""
+        counts = defaultdict(int, self.counts)
+        for kind, n in rloo.COUNTS.items():   # what no phase counted
+            outside = n - self._start.get(kind, 0) - sum(
+                v for key, v in self.counts.items() if key.split("/")[0] == kind)
+            if outside:
+                counts[f"{kind}/other"] += outside
+        total = defaultdict(int)
+        for part in rloo.all_gather(dict(counts), group):
+            for key, n in part.items():
+                kind = key.split("/")[0]
+                if kind in ("generated", "trained"):
+                    total["tokens/" + key] += n
+                else:
+                    total[kind] += n
+        return dict(sorted(total.items()))
+
+
+# The process's meter: rloo.timed(phase) blocks are its phases (rloo.TIMER), and the scripts'
+# own with rloo.timed(phase); the harness reads it and resets it at the start of a step.
+METER = Meter()
+rloo.TIMER = METER.timed
+
+
+# -----------------------------------------------------------------------------
 # sizes, the step's counts
 
 BYTES = ((1e9, "GB"), (1e6, "MB"))   # readable()'s units for sizes
@@ -455,11 +576,11 @@ def peak_flops() -> float | None:
 
 
 def step_counts(faults_before: dict) -> dict:
-    """A step's counts over all ranks: rloo.METER's (tokens per phase, skipped updates) and the
+    """A step's counts over all ranks: METER's (tokens per phase, skipped updates) and the
     grading faults since `faults_before` (data.grading_faults() at the step's start)."""
     for kind, n in data.grading_faults().items():
-        rloo.METER.counts[kind] = n - faults_before[kind]
-    return {"skipped_updates": 0, **rloo.METER.gathered()}
+        METER.counts[kind] = n - faults_before[kind]
+    return {"skipped_updates": 0, **METER.gathered()}
 
 
 def throughput(faults_before: dict, flops_per_trained_token: float) -> dict:
@@ -470,7 +591,7 @@ def throughput(faults_before: dict, flops_per_trained_token: float) -> dict:
     peak = peak_flops()
     for phase in sorted({k.split("/")[2] for k in row if k.startswith("tokens/")}):
         n = sum(v for k, v in row.items() if k.startswith("tokens/") and k.endswith("/" + phase))
-        secs = max(rloo.METER.seconds[phase], 1e-9)
+        secs = max(METER.seconds[phase], 1e-9)
         row[f"perf/tokens_per_s_per_gpu/{phase}"] = round(n / secs / W, 1)
         if peak and f"tokens/trained/{phase}" in row:
             flops = flops_per_trained_token * row[f"tokens/trained/{phase}"]
@@ -576,7 +697,7 @@ def start(cfg, trains_students: bool) -> SoarRun | None:
     try:
         ckpt, state = resume(cfg.out, dataclasses.asdict(cfg), SOAR_MAY_CHANGE)
     except UsageError as e:   # other settings: refused, finished or not (a script that loops
-        if rloo.on_rank0(finished, cfg.out, cfg.outer_steps):   # over settings must not reuse it)
+        if on_rank0(finished, cfg.out, cfg.outer_steps):   # over settings must not reuse it)
             raise UsageError(f"{cfg.out} is finished (all {cfg.outer_steps} steps), and {e}") \
                 from None
         raise
@@ -584,9 +705,9 @@ def start(cfg, trains_students: bool) -> SoarRun | None:
     restore_rows(cfg.out, ckpt, SOAR_OUTPUTS)   # the files hold exactly the committed steps
     wb = {}   # rank 0 with --wandb: the W&B run and the first step it does not hold
     if cfg.wandb:   # its error (no login) ends every rank
-        rloo.on_rank0(track, wb, cfg.out, cfg.wandb, cfg.wandb_name, dataclasses.asdict(cfg),
+        on_rank0(track, wb, cfg.out, cfg.wandb, cfg.wandb_name, dataclasses.asdict(cfg),
                       state)
-    if state["step"] >= cfg.outer_steps and not rloo.on_rank0(hf_behind, cfg.out, state):
+    if state["step"] >= cfg.outer_steps and not on_rank0(hf_behind, cfg.out, state):
         rloo.print0(f"{cfg.out}: all {cfg.outer_steps} steps are done already; nothing to do")
         return None
     run = load_models(cfg, device, world_size, tok, seq_len, hard, ckpt, state, wb)
@@ -597,11 +718,11 @@ def start(cfg, trains_students: bool) -> SoarRun | None:
 
 
 def steps(cfg, run: SoarRun):
-    """The outer steps still to run, behind a progress bar (rank 0); each resets rloo.METER"""
+    """The outer steps still to run, behind a progress bar (rank 0); each resets METER"""
     first = run.state["step"]
     for step in tqdm(range(first, cfg.outer_steps), initial=first, total=cfg.outer_steps,
                      disable=not rloo.rank0(), desc="SOAR", dynamic_ncols=True):
-        rloo.METER.reset()
+        METER.reset()
         run.step_start = (time.perf_counter(), data.grading_faults())
         yield step
 
@@ -614,7 +735,7 @@ def commit(cfg, run: SoarRun, rows: dict, promoted: bool, line) -> None:
     and student/. Last, line(metrics row) on the console."""
     t0, faults_before = run.step_start
     (row,) = rows["metrics.jsonl"]
-    row.update({k: round(v, 3) for k, v in rloo.METER.seconds.items()})
+    row.update({k: round(v, 3) for k, v in METER.seconds.items()})
     row["total"] = round(time.perf_counter() - t0, 3)
     row.update(soar_throughput(cfg, run, faults_before))
     state = run.state
@@ -657,7 +778,7 @@ def save_soar_folders(cfg, run: SoarRun) -> None:
     turns = {"teacher_turns": cfg.teacher_turns, "answer_prompt": cfg.answer_prompt}
     rloo.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok, state["step"],
                  {"soar.json": {**tag, **turns}})
-    if rloo.on_rank0(hf_behind, cfg.out, state, ("student",)):
+    if on_rank0(hf_behind, cfg.out, state, ("student",)):
         rloo.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok, state["step"],
                      {"soar.json": tag})
 
@@ -686,7 +807,7 @@ def memory_per_rank(config, *, gpu_gib: float, engine_share: float, policy_ranks
     micro-batch's activations (activation_gib) and a margin for the CUDA context (CONTEXT_GIB).
     The one place this is computed: soar.py's check before anything loads, bench_rloo.py
     --memory_table and docs/scale.md."""
-    n = rloo.parameter_count(config)
+    n = parameter_count(config)
     est = {"engine": engine_share * gpu_gib}
     if lora_rank:
         est["base"] = 2 * n / GIB
@@ -737,7 +858,7 @@ def host_memory(cfg, world_size: int, config) -> float:
     if cfg.lora_rank:
         params = lora.adapter_parameters(config, cfg.lora_rank)
     else:
-        params = rloo.parameter_count(config) / (world_size // student_groups(cfg, world_size))
+        params = parameter_count(config) / (world_size // student_groups(cfg, world_size))
     return per_group * SNAPSHOT_BYTES * params / GIB
 
 
@@ -769,7 +890,7 @@ def memory_problem(cfg, world_size: int, gpu_gib: float, config,
     if need["total"] <= gpu_gib:
         return None
     G = student_groups(cfg, world_size)
-    weights = 2 * rloo.parameter_count(config) / GIB   # bf16, in the engine
+    weights = 2 * parameter_count(config) / GIB   # bf16, in the engine
     others = need["total"] - need["engine"]
     share = int((gpu_gib - others) / gpu_gib * 20) / 20   # down to a multiple of 0.05
     candidates = {
@@ -862,9 +983,9 @@ def load_models(cfg, device, world_size: int, tok, seq_len: int, hard: list, ckp
     llm = rloo.build_engine(cfg.model, seed=cfg.seed, max_model_len=seq_len, verbose=cfg.verbose,
                             gpu_memory_utilization=cfg.gpu_memory_utilization,
                             **lora.engine_args(cfg.lora_rank, at_once + 1),   # + the teacher
-                            **rloo.step_engine_args(seqs, seq_len - cfg.student_max_tokens))
+                            **step_engine_args(seqs, seq_len - cfg.student_max_tokens))
     if device.type == "cuda":   # (on CPU, a fixed rloo.CPU_KVCACHE_GIB)
-        rloo.print0(kv_line(rloo.kv_capacity(llm), seqs, seq_len))
+        rloo.print0(kv_line(kv_capacity(llm), seqs, seq_len))
     teacher = load_policy(cfg, teacher_mesh, lr=cfg.teacher_lr, total_steps=cfg.outer_steps,
                           warmup_steps=cfg.teacher_warmup,
                           seed=rloo.seed_of(cfg.seed, "adapter", "teacher"))
@@ -899,6 +1020,32 @@ def load_policy(cfg, mesh, *, seed: int, base=None, **schedule) -> rloo.Policy:
         return rloo.load_policy(cfg.model, mesh, **opts)
     return lora.load_policy(cfg.model, mesh, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                             base=lora.base_of(base) if base else None, seed=seed, **opts)
+
+
+# the model's size and the engine sized for a step (METHOD.md "Scale layout")
+def parameter_count(config) -> int:
+    """parameters of the causal LM of HF `config`, counted on the meta device: nothing is
+    allocated"""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def step_engine_args(seqs: int, prompt_tokens: int) -> dict:
+    """(GPU) build_engine's scheduler settings for one student step of `seqs` sequences on this
+    rank, each with up to prompt_tokens of prompt: that many sequences at once (max_num_seqs;
+    vLLM's default, 1024, profiles and captures for more) and a prefill batch no larger than their
+    prompts (max_num_batched_tokens). On CPU, {}: build_engine sets its own."""
+    if not torch.cuda.is_available():
+        return {}
+    seqs = max(1, seqs)
+    tokens = min(ENGINE_MAX_BATCHED_TOKENS, max(ENGINE_MIN_BATCHED_TOKENS, seqs * prompt_tokens))
+    return dict(max_num_seqs=seqs, max_num_batched_tokens=max(tokens, seqs))
+
+
+def kv_capacity(llm) -> int:
+    """tokens this rank's engine holds in its KV cache (what vLLM profiled at start)"""
+    return llm.vllm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens or 0
 
 
 def step_sequences(cfg, world_size: int, G: int, at_once: int) -> int:

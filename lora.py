@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import rloo
+import rloo_extras
 
 # -----------------------------------------------------------------------------
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM takes
@@ -222,7 +223,7 @@ def serve_adapter(llm: rloo.Engine, path: str):
     engine's base: full weights served or synced since are replaced by the base's first."""
     from vllm.lora.request import LoRARequest   # (see rloo.build_engine)
     if llm.base_replaced:
-        rloo.serve_hf(llm, llm.base_path)
+        rloo_extras.serve_hf(llm, llm.base_path)
     llm.adapter_ids += 1
     request = LoRARequest(f"adapter-{llm.adapter_ids}", llm.adapter_ids, path)
     llm.vllm.llm_engine.add_lora(request)
@@ -321,11 +322,11 @@ def requests_of(served: list, counts: list[int]) -> list | None:
 def rl_steps(policies: list, llm, batches: list[list[tuple[str, str]]], *, prompt, reward,
              samples: int, max_tokens: int, seed: int, temperature: float = 1.0, group=None,
              micro_batch_tokens: int = 16384, advantages=rloo.rloo_advantages, loss=rloo.rloo_loss,
-             train_temperature: float | None = None) -> list[dict]:
+             train_temperature: float | None = None, updates: int = 1) -> list[dict]:
     """rloo.rl_step for several adapter policies, each on its batch, all their rollouts sampled in
     one engine call (each request served by its policy's adapter; request i of the call draws
-    seed + i * samples, rloo.generate), then one update each (rloo.learn). Returns, per policy,
-    rloo.learn's stats."""
+    seed + i * samples, rloo.generate), then `updates` updates each (rloo.learn). Returns, per
+    policy, rloo.learn's stats."""
     if group is None:
         group = policies[0].mesh.get_group()
     with rloo.timed("sync"):
@@ -342,17 +343,18 @@ def rl_steps(policies: list, llm, batches: list[list[tuple[str, str]]], *, promp
         hi = lo + len(batch) * samples
         results.append(rloo.learn(policy, flat[lo:hi], rewards[lo:hi], samples, group=group,
                                   advantages=advantages, loss=loss, temperature=train_temperature,
-                                  micro_batch_tokens=micro_batch_tokens))
+                                  micro_batch_tokens=micro_batch_tokens, updates=updates,
+                                  seed=seed))
         lo = hi
     return results
 
 
-def accuracies(policies: list, llm, problems: list[dict], **count_args) -> list[float]:
-    """Each adapter policy's share of `problems` counted correct (rloo.count_correct with
-    count_args, n = 1), all in one engine call. Phase: sync (the weights)."""
+def correct_counts(policies: list, llm, problems: list[dict], **count_args) -> list[list[int]]:
+    """rloo.count_correct (with count_args) of each adapter policy on `problems`, all in one engine
+    call. Phase: sync (the weights)."""
     with rloo.timed("sync"):
         served = [rloo.sync_weights(policy, llm) for policy in policies]
     M = len(problems)
     counts = rloo.count_correct(llm, problems * len(policies),
                                 adapters=requests_of(served, [M] * len(policies)), **count_args)
-    return [sum(counts[b * M:(b + 1) * M]) / M for b in range(len(policies))]
+    return [counts[b * M:(b + 1) * M] for b in range(len(policies))]

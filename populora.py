@@ -334,7 +334,7 @@ def main(cfg: Config):
     bar = tqdm(range(state["round"], cfg.rounds), initial=state["round"], total=cfg.rounds,
                disable=not rloo.rank0(), desc="PopuLoRA", dynamic_ncols=True)
     for rnd in bar:
-        rloo.METER.reset()   # the round's seconds by phase (rloo.timed)
+        launch.METER.reset()   # the round's seconds by phase (launch.METER)
         t_round = time.perf_counter()
         # 0. evolution, every evolve_every rounds, before the round: the lowest-rated member of
         # each population is replaced. Never after the last round, so every member a run ends
@@ -380,7 +380,7 @@ def main(cfg: Config):
                    student_ratings=[[round(x, 3) for x in r] for r in state["student_ratings"]],
                    trained=sorted(roles),
                    teacher_loss=[s and s["loss"] for s in teacher_stats], evolved=evolved,
-                   **{k: round(v, 3) for k, v in rloo.METER.seconds.items()},
+                   **{k: round(v, 3) for k, v in launch.METER.seconds.items()},
                    total=round(time.perf_counter() - t_round, 3))
         questions = []   # the curriculum: every problem that passed every check
         for i, p in enumerate(proposals):

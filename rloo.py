@@ -34,21 +34,20 @@ LoRA adapters are an extra in lora.py; this file knows of them only a Policy's `
 syncs, saves and loads a policy that is not a whole HF model) and the engine's adapter fields.
 """
 import glob
+import inspect
 import json
 import logging
 import math
 import os
-import pickle
 import random
 import shutil
 import socket
+import statistics
 import sys
 import tempfile
-import time
-import traceback
 import warnings
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -61,7 +60,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
-from safetensors import safe_open   # (comes with transformers) serve_hf reads HF folders
 from transformers import (AutoConfig, AutoModelForCausalLM, get_constant_schedule_with_warmup,
                           get_cosine_schedule_with_warmup)
 from transformers.cache_utils import Cache, DynamicLayer
@@ -76,10 +74,6 @@ COLLECTIVE_TIMEOUT_MIN = 180.0
 # engine (vLLM) settings
 CPU_KVCACHE_GIB = "1"       # on CPU the KV cache size comes from VLLM_CPU_KVCACHE_SPACE (GiB)
 CPU_MEM_UTIL = 0.2          # CPU gpu_memory_utilization (of RAM; the default, 0.92, fails to start)
-# GPU: vLLM's default prefill batch on large GPUs; the activations it profiles for it come off the
-# KV cache, so step_engine_args asks for no more than a student step's prompts (at least MIN)
-GPU_MAX_BATCHED_TOKENS = 16384
-GPU_MIN_BATCHED_TOKENS = 2048
 # optimizer settings (METHOD.md "Hyperparameters" gives AdamW, lr and schedule; the rest is ours)
 ADAM_BETAS = (0.9, 0.999)
 WEIGHT_DECAY = 0.0          # unspecified by the paper; no decay, as usual for RL fine-tuning
@@ -134,37 +128,6 @@ def print0(*args, **kwargs) -> None:
         print(*args, **{"flush": True, **kwargs})
 
 
-def on_rank0(fn, *args):
-    """fn(*args) on rank 0 alone, its result (or its error) on every rank: what rests on a timeout
-    or on the filesystem (a problem list, a lock, a checkpoint's listing) is decided once, so ranks
-    never disagree nor wait on a rank that failed alone. Rank 0 raises the error itself, traceback
-    and all; the other ranks raise a copy marked `from_rank0`, with rank 0's traceback as a note.
-    Before init_distributed: just fn(*args)."""
-    if not dist.is_initialized():
-        return fn(*args)
-    res = None
-    err = None
-    if rank0():
-        try:
-            res = (fn(*args), None, None)
-        except Exception as e:
-            err = e
-            try:
-                pickle.dumps(e)
-                copy = e
-            except Exception:   # an exception that does not pickle travels as its text
-                copy = RuntimeError(f"{type(e).__name__}: {e}")
-            res = (None, copy, traceback.format_exc())
-    value, copy, trace = all_gather(res)[0]
-    if err is not None:
-        raise err
-    if copy is not None:
-        copy.from_rank0 = True
-        copy.add_note(f"(raised on rank 0)\n{trace}")
-        raise copy
-    return value
-
-
 def seed_of(seed: int, *keys) -> int:
     """Every random draw is a function of (seed, step, ...): a resumed run replays exactly."""
     return random.Random(f"{seed}/" + "/".join(map(str, keys))).randrange(2**31)
@@ -191,22 +154,6 @@ def all_gather(obj, group=None) -> list:
     return parts
 
 
-def check_same(value, what: str, group=None) -> None:
-    """Raise on every rank if the ranks of group hold different values of `what` (what a
-    collective that follows relies on), naming each value and its ranks: one clear error in place
-    of a hang until the collectives' timeout. Values are compared by repr, so NaN equals NaN."""
-    parts = all_gather(value, group)
-    if all(repr(part) == repr(parts[0]) for part in parts):
-        return
-    ranks = defaultdict(list)
-    for rank, part in enumerate(parts):
-        ranks[repr(part)].append(rank)
-    err = RuntimeError(f"{what} differs between ranks: " + "; ".join(
-        f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {v}" for v, r in ranks.items()))
-    err.from_rank0 = not rank0()   # every rank knows it: rank 0 alone prints it (launch.main)
-    raise err
-
-
 def split_map(fn, items: list, group=None) -> list:
     """fn over this rank's share of items, results gathered on every rank of group. Used for
     grading and parsing: one rank decides each item, so ranks never disagree on a timeout."""
@@ -216,60 +163,17 @@ def split_map(fn, items: list, group=None) -> list:
 
 
 # -----------------------------------------------------------------------------
-# what a step spent: seconds per phase, and tokens and events counted under the open phase
+# what a step spent: rloo counts the tokens it generates and trains and the updates it skips
+# (COUNTS), and rl_step names its phases (`with timed("sync")`). Timing them is the harness's job:
+# launch.py sets TIMER to its meter's; alone, timed does nothing.
 
-class Meter:
-    """Exclusive timers and counts of one step: time in a nested timed() block counts only for
-    the inner key; count(kind, n) adds n under the innermost open phase (kind "generated" or
-    "trained": tokens; "skipped_updates")."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.seconds = defaultdict(float)   # phase: seconds
-        self.counts = defaultdict(int)      # "<kind>/<phase>": n, on this rank
-        self._open = []                     # [phase, seconds spent in nested blocks]
-
-    @contextmanager
-    def timed(self, phase: str):
-        t0 = time.perf_counter()
-        self._open.append([phase, 0.0])
-        try:
-            yield
-        finally:
-            dt = time.perf_counter() - t0
-            self.seconds[phase] += dt - self._open.pop()[1]
-            if self._open:
-                self._open[-1][1] += dt
-
-    def count(self, kind: str, n: int = 1) -> None:
-        phase = self._open[-1][0] if self._open else "other"
-        self.counts[f"{kind}/{phase}"] += n
-
-    def gathered(self, group=None) -> dict:
-        """the counts summed over the ranks of group: skipped_updates as one number, tokens as
-        tokens/{generated,trained}/<phase>, any other kind under its own name"""
-        total = defaultdict(int)
-        for part in all_gather(dict(self.counts), group):
-            for key, n in part.items():
-                kind = key.split("/")[0]
-                if kind in ("generated", "trained"):
-                    total["tokens/" + key] += n
-                else:
-                    total[kind] += n
-        return dict(sorted(total.items()))
-
-
-# The process's meter: generate and train_step count their tokens into it, under the phase their
-# caller opened with timed(phase); the caller reads it and resets it at the end of a step. No
-# timing object runs through the calls.
-METER = Meter()
+COUNTS = defaultdict(int)   # "generated", "trained": tokens; "skipped_updates": updates
+TIMER = None                # phase -> a context manager that times its block (launch.Meter.timed)
 
 
 def timed(phase: str):
-    """with timed("sync"): ...: the block's seconds, and what it generates or trains, go to phase"""
-    return METER.timed(phase)
+    """with timed("sync"): ...: the block is phase `phase` of the step (see TIMER)"""
+    return TIMER(phase) if TIMER else nullcontext()
 
 
 # -----------------------------------------------------------------------------
@@ -385,7 +289,7 @@ def generate(llm, prompts: list, *, n: int = 1, temperature: float = 1.0, max_to
     mine = [[Sample(c.text, list(c.token_ids), list(o.prompt_token_ids),
                     [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if logprobs else None)
              for c in (o.outputs * n if greedy else o.outputs)] for o in outs]
-    METER.count("generated", sum(len(c.token_ids) for o in outs for c in o.outputs))
+    COUNTS["generated"] += sum(len(c.token_ids) for o in outs for c in o.outputs)
     if world == 1:
         return mine
     return [s for part in all_gather(mine, group) for s in part]
@@ -501,10 +405,10 @@ def sync_weights(policy: Policy, llm):
             p = p.detach().to(dtype)   # cast before gathering: half the traffic to a bf16 engine
             yield name, (p.full_tensor() if isinstance(p, DTensor) else p)
 
-    _reload_engine(llm, weights(), base_replaced=True)
+    reload_engine(llm, weights(), base_replaced=True)
 
 
-def _reload_engine(llm, weights, base_replaced: bool) -> None:
+def reload_engine(llm, weights, base_replaced: bool) -> None:
     """Full weights, a generator of (name, tensor), into this rank's engine: requests are served by
     them from then on. `base_replaced`: they are not the engine's base (lora.serve_adapter puts the
     base back before it serves an adapter on it)."""
@@ -633,6 +537,17 @@ def rloo_loss(logp, ref_logp, adv, mask, kl_coef: float):
             (kl.detach() * mask).sum())
 
 
+def ppo_loss(logp, ref_logp, adv, mask, kl_coef: float, old_logp, clip: float = 0.2):
+    """PPO's clipped loss, for several updates per batch (learn's `updates`; SeRL's, METHOD.md
+    "SeRL"), per completion token t, against the log-probs before the first (old_logp):
+        pg = -min(r A, clip(r, 1 - clip, 1 + clip) A),   r = exp(logp - old_logp)
+    so a token whose ratio has left [1 - clip, 1 + clip] in A's direction gets no gradient. The KL
+    is in SeRL's advantages, not here. Returns rloo_loss's three sums (kl: 0)."""
+    ratio = torch.exp(logp - old_logp)
+    pg = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    return (pg * mask).sum(), (pg.detach() * mask).sum(), torch.zeros((), device=logp.device)
+
+
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     """group row indices (longest first) so rows * max_len <= budget tokens per micro-batch"""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -697,7 +612,7 @@ def train_step(policy: Policy, prompt_ids: list[list[int]], completion_ids: list
         stats[1] += pg
         stats[2] += kl
     dist.all_reduce(stats[1:], group=group)
-    METER.count("trained", sum(map(len, prompt_ids)) + sum(map(len, completion_ids)))
+    COUNTS["trained"] += sum(map(len, prompt_ids)) + sum(map(len, completion_ids))
     _average_unsharded_gradients(list(trainable(policy).values()), group)
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable(policy).values(), policy.grad_clip)
     if isinstance(grad_norm, DTensor):
@@ -721,7 +636,7 @@ def optimizer_step(policy: Policy, pg_loss: float, kl: float, grad_norm: float) 
     policy.optimizer.zero_grad(set_to_none=True)
     policy.nonfinite = 0 if finite else policy.nonfinite + 1
     if not finite:
-        METER.count("skipped_updates")
+        COUNTS["skipped_updates"] += 1
         msg = f"non-finite loss {pg_loss}, KL {kl} or gradient norm {grad_norm}"
         if policy.nonfinite >= MAX_NONFINITE:
             raise RuntimeError(f"{msg} in {policy.nonfinite} updates in a row: stopping "
@@ -739,6 +654,23 @@ def reference_logprobs(policy: Policy, prompts, completions, temperature: float)
                           policy.shared_prompts)[0]
     reshard(policy.ref)   # else its root (embeddings, head) stays gathered (0.7 GiB)
     return logp
+
+
+@torch.no_grad()
+def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
+                      temperature: float, dev, shared: bool, micro_batch_tokens: int,
+                      group) -> list[list[float]]:
+    """token_logprobs of each of this rank's rows, a list per row, with no gradient, in
+    micro-batches (every rank of the group that shards `model` calls it, as many passes on each)"""
+    out = [None] * len(prompt_ids)
+    for rows in _passes([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
+                        micro_batch_tokens, group, dev):
+        batch = ([prompt_ids[i] for i in rows] or [[0]], [completion_ids[i] for i in rows] or [[]])
+        logp, _ = token_logprobs(model, *batch, temperature, dev, shared)
+        for b, i in enumerate(rows):
+            out[i] = logp[b, :len(completion_ids[i])].tolist()
+    reshard(model)
+    return out
 
 
 def _average_unsharded_gradients(params: list, group) -> None:
@@ -759,13 +691,13 @@ def _average_unsharded_gradients(params: list, group) -> None:
 def rl_step(policy: Policy, llm, batch: list[tuple[str, str]], *, prompt, reward, samples: int,
             max_tokens: int, seed: int, temperature: float = 1.0, group=None,
             micro_batch_tokens: int = 16384, advantages=rloo_advantages, loss=rloo_loss,
-            train_temperature: float | None = None) -> dict:
+            train_temperature: float | None = None, updates: int = 1) -> dict:
     """One RL step of a policy on a batch of (question, answer) pairs (METHOD.md "Inner loop"; also
     eval.py's fresh students): sync its weights into the engine, sample `samples` completions of
     prompt(question) per question on the group's engines, score them with reward(completions,
-    answers), then one `loss` update on their `advantages` at train_temperature (default: the
-    sampling one) (learn). `group`: the ranks that share the sampling and grading (default: those
-    of the policy's mesh). Phases: sync, student_rollouts. Returns learn's stats."""
+    answers), then `updates` `loss` updates on their `advantages` at train_temperature (default:
+    the sampling one) (learn). `group`: the ranks that share the sampling and grading (default:
+    those of the policy's mesh). Phases: sync, student_rollouts. Returns learn's stats."""
     if group is None:
         group = policy.mesh.get_group()
     with timed("sync"):
@@ -774,7 +706,7 @@ def rl_step(policy: Policy, llm, batch: list[tuple[str, str]], *, prompt, reward
                              max_tokens=max_tokens, seed=seed, temperature=temperature, group=group)
     return learn(policy, flat, rewards, samples, group=group, advantages=advantages, loss=loss,
                  temperature=temperature if train_temperature is None else train_temperature,
-                 micro_batch_tokens=micro_batch_tokens)
+                 micro_batch_tokens=micro_batch_tokens, updates=updates, seed=seed)
 
 
 def rollouts(llm, pairs: list[tuple[str, str]], *, prompt, reward, samples: int, max_tokens: int,
@@ -793,19 +725,56 @@ def rollouts(llm, pairs: list[tuple[str, str]], *, prompt, reward, samples: int,
 
 
 def learn(policy: Policy, flat: list, rewards: list[float], samples: int, *, group, advantages,
-          loss, temperature: float, micro_batch_tokens: int) -> dict:
-    """One `loss` update of the policy on its scored rollouts (rollouts: `samples` a question, in
-    order): `advantages` of each question's group of rewards (rloo_advantages: leave-one-out),
-    then train_step, each rank on its share. Returns train_step's stats, the mean `reward`,
-    `rewards` (flat) and `nontrivial`: per question, did its rewards vary."""
+          loss, temperature: float, micro_batch_tokens: int, updates: int = 1,
+          seed: int = 0) -> dict:
+    """`updates` `loss` updates of the policy on its scored rollouts (rollouts: `samples` a
+    question, in order): `advantages` of each question's group of rewards (rloo_advantages:
+    leave-one-out), then the rollouts in `updates` minibatches (minibatches, shuffled by `seed`
+    when there are several), a train_step each (update_minibatches). One update (the default) is
+    on-policy; more take a loss that asks for the log-probs before the first (ppo_loss). Returns
+    the updates' mean stats, the mean `reward`, `rewards` (flat) and `nontrivial`: per question,
+    did its rewards vary."""
     table = torch.tensor(rewards).view(-1, samples)   # questions x samples
     adv = advantages(table).flatten().tolist()
-    rows = my_share([(smp, a) for (smp, _), a in zip(flat, adv)], group)
-    stats = train_step(policy, [smp.prompt_token_ids for smp, _ in rows],
-                       [smp.token_ids for smp, _ in rows], [a for _, a in rows], loss=loss,
-                       temperature=temperature, micro_batch_tokens=micro_batch_tokens)
+    batches = minibatches(len(flat), -(-len(flat) // updates), seed, group)
+    stats = update_minibatches(policy, [smp for smp, _ in flat], adv, batches, loss=loss,
+                               temperature=temperature, micro_batch_tokens=micro_batch_tokens)
     return {**stats, "reward": sum(rewards) / len(rewards), "rewards": rewards,
             "nontrivial": (table.std(1) > 0).tolist()}
+
+
+def minibatches(n: int, size: int, seed: int, group) -> list[list[int]]:
+    """rollouts 0..n-1 in minibatches of `size` (the last may be smaller), in an order shuffled by
+    `seed` when there are several, and this rank's share of each (my_share)"""
+    order = list(range(n))
+    if size < n:
+        random.Random(seed).shuffle(order)
+    return [my_share(order[i:i + size], group) for i in range(0, n, size)]
+
+
+def update_minibatches(policy: Policy, samples: list, advantages, batches: list[list[int]], *,
+                       loss, temperature: float, micro_batch_tokens: int,
+                       old_logprobs: dict | None = None) -> dict:
+    """One train_step per minibatch (minibatches: this rank's rows, indices of `samples` and
+    `advantages`). A loss that asks for old_logp (ppo_loss) gets each row's log-probs before the
+    first update: `old_logprobs` {row: per-token list}, or computed here. Returns the updates'
+    mean stats."""
+    if old_logprobs is None and "old_logp" in inspect.signature(loss).parameters:
+        mine = [i for rows in batches for i in rows]
+        old_logprobs = dict(zip(mine, sequence_logprobs(
+            policy.model, [samples[i].prompt_token_ids for i in mine],
+            [samples[i].token_ids for i in mine], temperature=temperature, dev=policy.device,
+            shared=policy.shared_prompts, micro_batch_tokens=micro_batch_tokens,
+            group=policy.mesh.get_group())))
+    stats = [train_step(policy, [samples[i].prompt_token_ids for i in rows],
+                        [samples[i].token_ids for i in rows], [advantages[i] for i in rows],
+                        loss=loss, temperature=temperature, micro_batch_tokens=micro_batch_tokens,
+                        old_logprobs=None if old_logprobs is None else
+                        [old_logprobs[i] for i in rows])
+             for rows in batches]
+    mean = {key: statistics.fmean(s[key] for s in stats)
+            for key in ("loss", "pg_loss", "kl", "grad_norm", "lr", "tokens")}
+    return {**mean, "skipped": any(s["skipped"] for s in stats)}
 
 
 # -----------------------------------------------------------------------------
@@ -889,34 +858,6 @@ def load_policy(path: str, mesh, *, lr: float, warmup_steps: int, total_steps: i
     policy.ref = _load_sharded(path, mesh, False) if kl_coef > 0 else None
     reset_optimizer(policy, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps)
     return policy
-
-
-# -----------------------------------------------------------------------------
-# the model's size and the engine sized for a step (METHOD.md "Scale layout")
-
-def parameter_count(config) -> int:
-    """parameters of the causal LM of HF `config`, counted on the meta device: nothing is
-    allocated"""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
-def step_engine_args(seqs: int, prompt_tokens: int) -> dict:
-    """(GPU) build_engine's scheduler settings for one student step of `seqs` sequences on this
-    rank, each with up to prompt_tokens of prompt: that many sequences at once (max_num_seqs;
-    vLLM's default, 1024, profiles and captures for more) and a prefill batch no larger than their
-    prompts (max_num_batched_tokens). On CPU, {}: build_engine sets its own."""
-    if not torch.cuda.is_available():
-        return {}
-    seqs = max(1, seqs)
-    tokens = min(GPU_MAX_BATCHED_TOKENS, max(GPU_MIN_BATCHED_TOKENS, seqs * prompt_tokens))
-    return dict(max_num_seqs=seqs, max_num_batched_tokens=max(tokens, seqs))
-
-
-def kv_capacity(llm) -> int:
-    """tokens this rank's engine holds in its KV cache (what vLLM profiled at start)"""
-    return llm.vllm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens or 0
 
 
 # -----------------------------------------------------------------------------
@@ -1060,135 +1001,3 @@ def write_folder(path: str, version: int, write_weights, tokenizer=None,
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
-
-
-# -----------------------------------------------------------------------------
-# beyond one policy's RLOO step: the two-turn teacher's sampling (soar.py), HF folders served
-# as they are (eval.py's inference rows), SePT's advantages and SeRL's PPO updates (eval.py)
-
-def sample_turns(llm, prompt, k: int, *, answer_prompt: list[int], stop: str, turn_end,
-                 max_tokens: int, temperature: float, seed: int,
-                 group=None) -> tuple[list[tuple], list[str]]:
-    """k two-turn samples (METHOD.md "Two-turn teacher"): turn 1 from `prompt`, ended at the first
-    token where turn_end(text) (an index, or None while the turn is open) says it has ended (the
-    engine stops at the string `stop`; turn_end may end it sooner), turn 2 from prompt + turn 1 +
-    answer_prompt (token ids) with what turn 1 left of max_tokens; request i of turn 1 has seed + i,
-    of turn 2 seed + k + i. Returns each sample's turns, (turn 1, turn 2), and its text: turns 1
-    and 2 with answer_prompt between, as decoded by the engine's tokenizer; a turn 1 that did not
-    end has no turn 2 and the text ""."""
-    decode = llm.vllm.get_tokenizer().decode
-    firsts = [_end_turn(o[0], turn_end, decode)
-              for o in generate(llm, [prompt] * k, temperature=temperature,
-                                max_tokens=max_tokens, seed=seed, stop=stop, group=group)]
-    closed = [i for i, s in enumerate(firsts)
-              if turn_end(s.text) is not None and len(s.token_ids) < max_tokens]
-    seconds = generate(llm, [list(prompt) + firsts[i].token_ids + answer_prompt for i in closed],
-                       temperature=temperature,
-                       max_tokens=[max_tokens - len(firsts[i].token_ids) for i in closed],
-                       seed=seed + k, group=group)
-    samples = [(s,) for s in firsts]
-    texts = [""] * k
-    for i, out in zip(closed, seconds):
-        samples[i] = (firsts[i], out[0])
-        texts[i] = decode(firsts[i].token_ids + answer_prompt) + out[0].text
-    return samples, texts
-
-
-def turns_of(llm, prompt, *, answer_prompt: list[int], stop: str, turn_end, max_tokens: int,
-             temperature: float, group=None):
-    """sample_until's draw of two-turn samples: sample_turns of `prompt` with these settings"""
-    return lambda k, seed: sample_turns(llm, prompt, k, answer_prompt=answer_prompt, stop=stop,
-                                        turn_end=turn_end, max_tokens=max_tokens,
-                                        temperature=temperature, seed=seed, group=group)
-
-
-def _end_turn(sample: Sample, turn_end, decode) -> Sample:
-    """sample cut after its first token whose text so far has ended (turn_end), as the engine cuts
-    at a stop string: the shorter turn is as exact a sample; as it is where that is its end"""
-    end = turn_end(sample.text)
-    if end is None or end == len(sample.text):
-        return sample
-    ids = sample.token_ids
-    lo, hi = 1, len(ids)   # the fewest tokens whose text has ended
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if turn_end(decode(ids[:mid])) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    logprobs = sample.logprobs[:lo] if sample.logprobs is not None else None
-    return Sample(decode(ids[:lo]), ids[:lo], sample.prompt_token_ids, logprobs)
-
-
-def turns(sample) -> tuple:
-    """the Samples of what sample_until kept: the one, or a two-turn sample's two"""
-    return sample if isinstance(sample, tuple) else (sample,)
-
-
-def serve_hf(llm, path: str) -> None:
-    """The full weights of the HF folder `path` (or hub name) into this rank's engine, streamed
-    from its safetensors files one tensor at a time (no trainer, no optimizer: an inference row of
-    eval.py); requests are served by them from then on. The folder must hold the engine's
-    architecture (a fine-tune of the model it was built from). A tied head is sent as the
-    embedding: vLLM's reload_weights(weights_path=...) skips it and keeps the old head's logits
-    (5.3 nats off in our tests). vLLM's reload also drops every adapter it holds
-    (lora.serve_adapter loads them again)."""
-    # the engine's own base (built from this name or folder): adapters can be served on it
-    base = path == llm.base_path or os.path.realpath(path) == os.path.realpath(llm.base_path)
-    if not os.path.isdir(path):   # a hub name: its files, downloaded once (as vLLM does)
-        from transformers.utils.hub import snapshot_download   # (huggingface_hub's)
-        path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"{path}: no *.safetensors weights to serve")
-    dtype = llm.vllm.llm_engine.model_config.dtype
-
-    def weights():
-        embedding = None
-        head = False
-        for file in files:
-            with safe_open(file, "pt") as f:
-                for name in f.keys():
-                    t = f.get_tensor(name).to(dtype)
-                    head |= name == "lm_head.weight"
-                    if name == "model.embed_tokens.weight":
-                        embedding = t
-                    yield name, t
-        if not head and embedding is not None:
-            yield "lm_head.weight", embedding
-
-    _reload_engine(llm, weights(), base_replaced=not base)
-
-
-def sept_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """SePT (METHOD.md "SePT"): advantage 1 for every sample whatever its reward, so rloo_loss
-    without KL is the NLL of the samples themselves."""
-    return torch.ones_like(rewards)
-
-
-def ppo_loss(logp, ref_logp, adv, mask, kl_coef: float, old_logp, clip: float = 0.2):
-    """PPO's clipped loss, as SeRL trains (METHOD.md "SeRL"), per completion token t, against the
-    log-probs before this round of updates (old_logp; train_step's old_logprobs):
-        pg = -min(r A, clip(r, 1 - clip, 1 + clip) A),   r = exp(logp - old_logp)
-    so a token whose ratio has left [1 - clip, 1 + clip] in A's direction gets no gradient. The KL
-    is in SeRL's advantages, not here. Returns rloo_loss's three sums (kl: 0)."""
-    ratio = torch.exp(logp - old_logp)
-    pg = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
-    return (pg * mask).sum(), (pg.detach() * mask).sum(), torch.zeros((), device=logp.device)
-
-
-@torch.no_grad()
-def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
-                      temperature: float, dev, shared: bool, micro_batch_tokens: int,
-                      group) -> list[list[float]]:
-    """token_logprobs of each of this rank's rows, a list per row, with no gradient, in
-    micro-batches (every rank of the group that shards `model` calls it, as many passes on each)"""
-    out = [None] * len(prompt_ids)
-    for rows in _passes([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
-                        micro_batch_tokens, group, dev):
-        batch = ([prompt_ids[i] for i in rows] or [[0]], [completion_ids[i] for i in rows] or [[]])
-        logp, _ = token_logprobs(model, *batch, temperature, dev, shared)
-        for b, i in enumerate(rows):
-            out[i] = logp[b, :len(completion_ids[i])].tolist()
-    reshard(model)
-    return out

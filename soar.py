@@ -21,6 +21,7 @@ teacher/ and student/ (HF folders of the current teacher and baseline student), 
 with --wandb PROJECT, wandb/ (W&B's files) and wandb.json (the W&B run's id).
 """
 import dataclasses
+import math
 import random
 
 import torch
@@ -30,6 +31,7 @@ import data
 import launch
 import lora
 import rloo
+import rloo_extras
 import world
 
 
@@ -61,6 +63,8 @@ class Config:
     qr_size: int = launch.flag(64, world=32, help="M = |Q_R|: hard train questions per step")
     tau: float = launch.flag(0.01, "promotion threshold on the moving average")
     window: int = launch.flag(3, "w: moving-average window", least=1)
+    promote_every_step: bool = launch.flag(False, "promote at every step, whatever MA and tau (a "
+        "step whose reward is not a number excepted): tests and ablations, not the method")
     reward: str = launch.flag("grounded", "the teacher's reward (TEACHER_REWARDS): grounded "
         "(SOAR), learnability (Intrinsic-T) or opensir", choices=("grounded", "learnability",
                                                                   "opensir"))
@@ -141,23 +145,33 @@ def moving_average(history: list[float], window: int) -> float | None:
 
 
 def promotion(R: list[list[float]], ma: float | None, tau: float) -> tuple[int, int] | None:
-    """(k*, j*) if MA > tau: k* = argmax_k R_k, j* = the student of X_k* with the median R_k*j
-    (r even: the lower middle). None otherwise (METHOD.md "Promotion")."""
+    """The rule (METHOD.md "Promotion"): the chosen student if MA > tau, else None"""
     if ma is None or not ma > tau:   # (a NaN reward never promotes)
         return None
+    return chosen_student(R)
+
+
+def chosen_student(R: list[list[float]]) -> tuple[int, int]:
+    """(k*, j*): k* = argmax_k R_k, j* = the student of X_k* with the median R_k*j (r even: the
+    lower middle)"""
     R_k = [sum(row) / len(row) for row in R]
     k = max(range(len(R)), key=lambda i: R_k[i])  # first maximum on ties
     order = sorted(range(len(R[k])), key=lambda j: R[k][j])
     return k, order[(len(order) - 1) // 2]
 
 
-def decide(history: list[float], R: list[list[float]], window: int, tau: float):
+def decide(history: list[float], R: list[list[float]], window: int, tau: float,
+           every_step: bool = False):
     """Steps 6-7 on a step's g x r table R: Rhat = mean_k R_k joins the history, MA over the
-    window, promotion or not; a promotion clears the window. Returns (Rhat, MA, chosen, history)."""
+    window, promotion or not (every_step: --promote_every_step); a promotion clears the window.
+    Returns (Rhat, MA, chosen, history)."""
     reward = sum(sum(row) / len(row) for row in R) / len(R)
     history = history + [reward]
     ma = moving_average(history, window)
-    chosen = promotion(R, ma, tau)
+    if every_step and not math.isnan(reward):
+        chosen = chosen_student(R)
+    else:
+        chosen = promotion(R, ma, tau)
     return reward, ma, chosen, ([] if chosen else history)
 
 
@@ -169,9 +183,12 @@ def teacher_advantages(R_k: list[float]) -> list[float]:
 def can_promote(cfg: Config, history: list[float]) -> bool:
     """Can this step promote? Only with a reward that trains students, once the window is full, and
     if MA can still pass tau with the best step reward (1): else no student needs keeping."""
+    if not TEACHER_REWARDS[cfg.reward].trains_students:
+        return False
+    if cfg.promote_every_step:
+        return True
     prev = history[len(history) + 1 - cfg.window:] if cfg.window > 1 else []
-    return (TEACHER_REWARDS[cfg.reward].trains_students and len(history) + 1 >= cfg.window
-            and (sum(prev) + 1) / cfg.window > cfg.tau)
+    return len(history) + 1 >= cfg.window and (sum(prev) + 1) / cfg.window > cfg.tau
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,14 +198,26 @@ def can_promote(cfg: Config, history: list[float]) -> bool:
 @dataclasses.dataclass
 class Measured:
     """What step 5 measured of one dataset X_k: a teacher reward (TEACHER_REWARDS) is a function
-    of this alone. A reward that trains students reads accs and acc0s; the others read
-    solve_rates and novelty."""
+    of this alone. A reward that trains students reads solved and solved0 (or their means, accs
+    and acc0s); the others read solve_rates and novelty."""
     dataset: list               # X_k: n (question, answer) pairs
-    accs: list[float]           # Acc on Q_R of each of the r students trained on X_k
-    acc0s: list[float]          # the baseline's Acc on Q_R, measured by the group that trained
-                                # each of them (its own engines: Acc0 can differ between groups)
+    solved: list[list]          # per student trained on X_k (r): did it solve each question of Q_R
+    solved0: list[list]         # the baseline's, measured by the group that trained each of them
+                                # (its own engines: Acc0 can differ between groups)
     solve_rates: list[float]    # the baseline's solve rate on each question of X_k
     novelty: list[float]        # each question's novelty against the archive (data.novelty)
+
+    @property
+    def accs(self) -> list[float]:   # Acc on Q_R of each student
+        return [mean(s) for s in self.solved]
+
+    @property
+    def acc0s(self) -> list[float]:  # Acc0 on Q_R where each student was measured
+        return [mean(s) for s in self.solved0]
+
+
+def mean(values: list) -> float:
+    return sum(values) / len(values)
 
 
 def grounded(m: Measured) -> list[float]:
@@ -211,12 +240,13 @@ class TeacherReward:
 
 @dataclasses.dataclass
 class Step:
-    """What step 5 (measure) is given: the g datasets, Q_R, the baseline's Acc0 on it (this
-    student group's) and S."""
+    """What step 5 (measure) is given: the g datasets, Q_R, what the baseline solves of it (Acc0's
+    outcomes, this student group's) and S."""
     index: int
     datasets: list          # g lists of n (question, answer) pairs: X_1..X_g
     q_r: list[dict]         # M hard train problems
-    acc0: list[float]       # Acc0 for each of this group's students (my_students' order)
+    solved0: list[list]     # for each of this group's students (my_students' order): does the
+                            # baseline solve each question of Q_R, where that student is measured
     inner_steps: int        # S: each student's RLOO steps
 
 
@@ -237,35 +267,39 @@ def main(cfg: Config):
     for step in launch.steps(cfg, run):
         S = inner_steps(cfg, state["promotions"])   # this step's inner loop (a promotion: next's)
         # 1-2. the teacher samples g*n valid pairs (by rejection), split in order into X_1..X_g
-        kept, sampled = teacher_samples(cfg, run, step, teacher_draw)
+        with rloo.timed("teacher_generation"):
+            kept, sampled = teacher_samples(cfg, run, step, teacher_draw)
         datasets = split_datasets([pair for _, pair in kept], cfg.num_datasets)
-        # 3-4. a fresh Q_R and the baseline's greedy accuracy on it, Acc0: one value for each of
-        # this group's students (with LoRA, measured where that student's adapter is measured)
+        # 3-4. a fresh Q_R and what the baseline solves of it, greedy (Acc0 is its mean): once for
+        # each of this group's students (with LoRA, where that student's adapter is measured)
         q_r = sample_q_r(cfg, run, step)
-        acc0 = group_students.baseline_accuracy(cfg, run, q_r)
+        solved0 = group_students.baseline_outcomes(cfg, run, q_r)
         # 5. the g x r table R: grounded, R_kj = Acc(a student trained on X_k from theta) - Acc0
-        # (measure_students -> trained_accuracies -> train_student); the intrinsic baselines, one
+        # (measure_students -> trained_outcomes -> train_student); the intrinsic baselines, one
         # column: X_k's mean reward (TEACHER_REWARDS)
         measured, candidates, held = teacher_reward.measure(
-            cfg, run, Step(step, datasets, q_r, acc0, S), group_students)
+            cfg, run, Step(step, datasets, q_r, solved0, S), group_students)
         # rank 0's R on every rank: one decision, whatever the last bits of per-rank floats
         R = rloo.all_gather([teacher_reward.score(m) for m in measured])[0]
         R_k = [sum(row) / len(row) for row in R]
         # 6-7. Rhat, MA, promotion (intrinsic baselines train no students, so they never promote)
         tau = cfg.tau if teacher_reward.trains_students else float("inf")
-        reward, ma, chosen, state["history"] = decide(state["history"], R, cfg.window, tau)
+        reward, ma, chosen, state["history"] = decide(state["history"], R, cfg.window, tau,
+                                                      cfg.promote_every_step)
         # every rank must decide alike (a promotion is a collective): else stop, naming the ranks
-        rloo.check_same(dict(R=R, reward=reward, ma=ma, chosen=chosen), f"step {step}'s decision")
+        launch.check_same(dict(R=R, reward=reward, ma=ma, chosen=chosen), f"step {step}'s decision")
         if chosen:
             run.theta = promote(cfg, run, chosen, candidates)
             state["promotions"] += 1
             state["pq"] += cfg.dataset_size
         del candidates
         # 8. teacher RLOO update: every completion of X_k gets A_k
-        stats = teacher_update(cfg, run, kept, R_k)
+        with rloo.timed("teacher_update"):
+            stats = teacher_update(cfg, run, kept, R_k)
         state["step"] = step + 1
-        row = dict(step=step, acc0=acc0[0],   # each group's first student's (group 0's: acc0)
-                   acc0_groups=rloo.all_gather(acc0[0])[::run.mesh["fsdp"].size()],
+        acc0 = mean(solved0[0])   # each group's first student's (group 0's: the row's acc0)
+        row = dict(step=step, acc0=acc0,
+                   acc0_groups=rloo.all_gather(acc0)[::run.mesh["fsdp"].size()],
                    R=R, R_k=R_k, reward=reward, ma=ma, promoted=bool(chosen),
                    promoted_k=chosen[0] if chosen else None,
                    promoted_j=chosen[1] if chosen else None, promotions=state["promotions"],
@@ -288,14 +322,12 @@ def teacher_samples(cfg: Config, run, step: int, draw) -> tuple[list, int]:
     (METHOD.md "Format filter"): draw(k, seed) (one_reply) writes k samples, round i from
     seed_of(seed, step, "teacher", i). Returns the kept (sample, (question, answer)) in sampling
     order and the number of samples drawn."""
-    with rloo.timed("teacher_generation"):
-        with rloo.timed("sync"):
-            rloo.sync_weights(run.teacher, run.llm)
-        seeds = [rloo.seed_of(cfg.seed, step, "teacher", i)
-                 for i in range(cfg.max_rejection_rounds)]
-        return rloo.sample_until(draw, need=cfg.num_datasets * cfg.dataset_size,
-                                 parse=data.parse_teacher_batch, round_seeds=seeds,
-                                 what=TEACHER_FILTER.format(step=step), group=dist.group.WORLD)
+    with rloo.timed("sync"):
+        rloo.sync_weights(run.teacher, run.llm)
+    seeds = [rloo.seed_of(cfg.seed, step, "teacher", i) for i in range(cfg.max_rejection_rounds)]
+    return rloo.sample_until(draw, need=cfg.num_datasets * cfg.dataset_size,
+                             parse=data.parse_teacher_batch, round_seeds=seeds,
+                             what=TEACHER_FILTER.format(step=step), group=dist.group.WORLD)
 
 
 def one_reply(cfg: Config, run):
@@ -317,18 +349,18 @@ def sample_q_r(cfg: Config, run, step: int) -> list[dict]:
     return data.sample_questions(run.hard, cfg.qr_size, rng)
 
 
-def baseline_accuracy(cfg: Config, run, q_r: list[dict]) -> list[float]:
-    """Step 4: Acc0, the baseline student's greedy accuracy on Q_R, once per step and student group:
-    on the group's own engines, as its trained students are measured (greedy bf16 decoding is not
-    batch-invariant: Acc0 from other engines or batches could differ by more than tau). The same
-    value for each of the group's students (one at least: the step's row logs it)."""
+def baseline_outcomes(cfg: Config, run, q_r: list[dict]) -> list[list[bool]]:
+    """Step 4: what the baseline student solves of Q_R, greedy (Acc0 is its mean), once per step
+    and student group: on the group's own engines, as its trained students are measured (greedy
+    bf16 decoding is not batch-invariant: Acc0 from other engines or batches could differ by more
+    than tau). The same for each of the group's students (one at least: the step's row logs it)."""
     rloo.restore(run.student, run.theta)
-    return [accuracy(cfg, run, q_r, run.student)] * max(len(my_students(cfg, run)), 1)
+    return [outcomes(cfg, run, q_r, run.student)] * max(len(my_students(cfg, run)), 1)
 
 
-def accuracy(cfg: Config, run, questions: list[dict], policy) -> float:
-    """A policy's greedy accuracy (METHOD.md "Rewards": Acc is binary, greedy), on the group's
-    engines"""
+def outcomes(cfg: Config, run, questions: list[dict], policy) -> list[bool]:
+    """Does a policy solve each question, greedy (METHOD.md "Rewards": Acc is their mean), on the
+    group's engines"""
     with rloo.timed("sync"):
         rloo.sync_weights(policy, run.llm)
     with rloo.timed("evaluation"):
@@ -336,18 +368,19 @@ def accuracy(cfg: Config, run, questions: list[dict], policy) -> float:
                                     correct=data.solved, n=1, temperature=0.0,
                                     max_tokens=cfg.student_max_tokens, seed=0,
                                     group=run.mesh["fsdp"].get_group())
-    return sum(counts) / len(questions)
+    return [count > 0 for count in counts]
 
 
 def measure_students(cfg: Config, run, step: Step, students) -> tuple[list, dict, int]:
     """Step 5 of SOAR's reward: each group trains and measures its share of the g*r students
-    (students.trained_accuracies: one at a time, or LoRA's side by side). Returns, on every rank,
-    what was measured of each X_k (its students' Acc, and the Acc0 of the group that trained each:
-    its step.acc0 there), the promotion candidates this group kept and the most any rank keeps."""
-    accs, candidates = students.trained_accuracies(cfg, run, step)
+    (students.trained_outcomes: one at a time, or LoRA's side by side). Returns, on every rank,
+    what was measured of each X_k (what its students solve of Q_R, and what the baseline solves
+    where each was measured: its step.solved0 there), the promotion candidates this group kept and
+    the most any rank keeps."""
+    solved, candidates = students.trained_outcomes(cfg, run, step)
     held = sum(snap is not None for snap in candidates.values())
-    parts = rloo.all_gather(({kj: (accs[kj], acc0) for kj, acc0 in
-                              zip(my_students(cfg, run), step.acc0)}, held))
+    parts = rloo.all_gather(({kj: (solved[kj], solved0) for kj, solved0 in
+                              zip(my_students(cfg, run), step.solved0)}, held))
     table = {kj: pair for part, _ in parts for kj, pair in part.items()}
     measured = [Measured(X, [table[k, j][0] for j in range(cfg.students)],
                          [table[k, j][1] for j in range(cfg.students)], [], [])
@@ -355,22 +388,22 @@ def measure_students(cfg: Config, run, step: Step, students) -> tuple[list, dict
     return measured, candidates, max(n for _, n in parts)
 
 
-def trained_accuracies(cfg: Config, run, step: Step) -> tuple[dict, dict]:
+def trained_outcomes(cfg: Config, run, step: Step) -> tuple[dict, dict]:
     """This group's students (my_students), one at a time in run.student: each trained
-    (train_student), then its Acc on Q_R measured. Returns {(k, j): Acc} and the promotion
-    candidates kept, only if this step can promote (can_promote): a snapshot in host RAM of each
-    student but the last, which stays in run.student until the decision (None)."""
+    (train_student), then what it solves of Q_R measured. Returns {(k, j): its outcomes} and the
+    promotion candidates kept, only if this step can promote (can_promote): a snapshot in host RAM
+    of each student but the last, which stays in run.student until the decision (None)."""
     keep = can_promote(cfg, run.state["history"])
     mine = my_students(cfg, run)
-    accs = {}
+    solved = {}
     candidates = {}
     for k, j in mine:
         with rloo.timed("student_training"):
             train_student(cfg, run, step, k, j)
-        accs[k, j] = accuracy(cfg, run, step.q_r, run.student)
+        solved[k, j] = outcomes(cfg, run, step.q_r, run.student)
         if keep:
             candidates[k, j] = rloo.snapshot(run.student) if (k, j) != mine[-1] else None
-    return accs, candidates
+    return solved, candidates
 
 
 def train_student(cfg: Config, run, step: Step, k: int, j: int) -> None:
@@ -378,10 +411,12 @@ def train_student(cfg: Config, run, step: Step, k: int, j: int) -> None:
     optimizer (cosine over S, no warmup), one RLOO step per batch of student_batches, sampled on
     the group's engines"""
     batches = student_batches(cfg, step, k, j)
+    how = student_rl(cfg, run)
     rloo.restore(run.student, run.theta)
-    rloo.reset_optimizer(run.student, lr=cfg.student_lr, warmup_steps=0, total_steps=len(batches))
+    rloo.reset_optimizer(run.student, lr=cfg.student_lr, warmup_steps=0,
+                         total_steps=len(batches) * how["updates"])
     for batch, seed in batches:
-        rloo.rl_step(run.student, run.llm, batch, seed=seed, **student_rl(cfg, run))
+        rloo.rl_step(run.student, run.llm, batch, seed=seed, **how)
 
 
 def student_batches(cfg: Config, step: Step, k: int, j: int) -> list[tuple[list, int]]:
@@ -398,11 +433,11 @@ def student_batches(cfg: Config, step: Step, k: int, j: int) -> list[tuple[list,
 
 def student_rl(cfg: Config, run) -> dict:
     """how a student's RL step samples, scores and learns (rloo.rl_step): the student prompt, graded
-    by data.grade, student_samples a question, RLOO"""
+    by data.grade, student_samples a question, RLOO, one on-policy update per batch"""
     return dict(prompt=data.student_prompt, reward=data.grade, samples=cfg.student_samples,
                 temperature=cfg.temperature, max_tokens=cfg.student_max_tokens,
                 group=run.mesh["fsdp"].get_group(), micro_batch_tokens=cfg.micro_batch_tokens,
-                advantages=rloo.rloo_advantages, loss=rloo.rloo_loss)
+                advantages=rloo.rloo_advantages, loss=rloo.rloo_loss, updates=1)
 
 
 def students(cfg: Config) -> list[tuple[int, int]]:
@@ -417,12 +452,13 @@ def my_students(cfg: Config, run) -> list[tuple[int, int]]:
 
 @dataclasses.dataclass(frozen=True)
 class GroupStudents:
-    """how a student group measures Acc0 (step 4) and trains and measures its students (step 5)"""
-    baseline_accuracy: object    # (cfg, run, q_r) -> Acc0 for each of the group's students
-    trained_accuracies: object   # (cfg, run, step) -> ({(k, j): Acc}, promotion candidates)
+    """how a student group measures Acc0's outcomes (step 4) and trains and measures its students
+    (step 5)"""
+    baseline_outcomes: object   # (cfg, run, q_r) -> the baseline's, for each student of the group
+    trained_outcomes: object    # (cfg, run, step) -> ({(k, j): its outcomes}, promotion candidates)
 
 
-ONE_AT_A_TIME = GroupStudents(baseline_accuracy, trained_accuracies)
+ONE_AT_A_TIME = GroupStudents(baseline_outcomes, trained_outcomes)
 
 
 def promote(cfg: Config, run, chosen, candidates: dict) -> dict:
@@ -451,14 +487,13 @@ def teacher_update(cfg: Config, run, kept: list, R_k: list[float]) -> dict:
     with A_k (a two-turn sample: both turns, so its log-prob is the sum of theirs), each rank on
     its share of the g*n samples"""
     n = cfg.dataset_size
-    with rloo.timed("teacher_update"):
-        adv = teacher_advantages(R_k)
-        rows = rloo.my_share([(turn, adv[i // n]) for i, (s, _) in enumerate(kept)
-                              for turn in rloo.turns(s)])
-        return rloo.train_step(run.teacher, [s.prompt_token_ids for s, _ in rows],
-                               [s.token_ids for s, _ in rows], [a for _, a in rows],
-                               loss=rloo.rloo_loss, temperature=cfg.temperature,
-                               micro_batch_tokens=cfg.micro_batch_tokens)
+    adv = teacher_advantages(R_k)
+    rows = rloo.my_share([(turn, adv[i // n]) for i, (s, _) in enumerate(kept)
+                          for turn in rloo_extras.turns(s)])
+    return rloo.train_step(run.teacher, [s.prompt_token_ids for s, _ in rows],
+                           [s.token_ids for s, _ in rows], [a for _, a in rows],
+                           loss=rloo.rloo_loss, temperature=cfg.temperature,
+                           micro_batch_tokens=cfg.micro_batch_tokens)
 
 
 def question_rows(step: int, datasets: list[list], R_k: list[float], chosen) -> tuple[list, list]:
@@ -553,59 +588,61 @@ TEACHER_REWARDS = {
 # first is run.student), trained side by side: each inner step samples all their rollouts in one
 # engine call, with the seeds of the group's first student (request i: seed + i * samples).
 
-def side_by_side_baseline_accuracy(cfg: Config, run, q_r: list[dict]) -> list[float]:
-    """Step 4 with LoRA: Acc0 measured as the group's students are, all its adapters at theta in
-    one engine call (the same batch shape and order): each student's Acc0 is its adapter's"""
+def side_by_side_baseline_outcomes(cfg: Config, run, q_r: list[dict]) -> list[list[bool]]:
+    """Step 4 with LoRA: Acc0's outcomes measured as the group's students are, all its adapters at
+    theta in one engine call (the same batch shape and order): each student's are its adapter's"""
     policies = run.adapters[:len(my_students(cfg, run))]
     for policy in policies:
         rloo.restore(policy, run.theta)
-    return adapter_accuracies(cfg, run, q_r, policies)
+    return adapter_outcomes(cfg, run, q_r, policies)
 
 
-def side_by_side_trained_accuracies(cfg: Config, run, step: Step) -> tuple[dict, dict]:
-    """trained_accuracies with LoRA: the group's students trained side by side, then measured in
+def side_by_side_trained_outcomes(cfg: Config, run, step: Step) -> tuple[dict, dict]:
+    """trained_outcomes with LoRA: the group's students trained side by side, then measured in
     one engine call; the first stays in run.student"""
     keep = can_promote(cfg, run.state["history"])
     mine = my_students(cfg, run)
     policies = run.adapters[:len(mine)]
     plans = [student_batches(cfg, step, k, j) for k, j in mine]
+    how = student_rl(cfg, run)
     with rloo.timed("student_training"):
         for policy in policies:
             rloo.restore(policy, run.theta)
             rloo.reset_optimizer(policy, lr=cfg.student_lr, warmup_steps=0,
-                                 total_steps=len(plans[0]))
+                                 total_steps=len(plans[0]) * how["updates"])
         for s in range(len(plans[0])):
             lora.rl_steps(policies, run.llm, [plan[s][0] for plan in plans], seed=plans[0][s][1],
-                          **student_rl(cfg, run))
-    accs = adapter_accuracies(cfg, run, step.q_r, policies)
+                          **how)
+    solved = adapter_outcomes(cfg, run, step.q_r, policies)
     candidates = {}
     if keep:
         candidates = {kj: rloo.snapshot(policy) if i else None
                       for i, (kj, policy) in enumerate(zip(mine, policies))}
-    return dict(zip(mine, accs)), candidates
+    return dict(zip(mine, solved)), candidates
 
 
-def adapter_accuracies(cfg: Config, run, questions: list[dict], policies: list) -> list[float]:
-    """accuracy of several adapters, in one engine call"""
+def adapter_outcomes(cfg: Config, run, questions: list[dict], policies: list) -> list[list[bool]]:
+    """outcomes of several adapters, in one engine call"""
     with rloo.timed("evaluation"):
-        return lora.accuracies(policies, run.llm, questions, prompt=data.student_prompt,
-                               correct=data.solved, n=1, temperature=0.0,
-                               max_tokens=cfg.student_max_tokens, seed=0,
-                               group=run.mesh["fsdp"].get_group())
+        counts = lora.correct_counts(policies, run.llm, questions, prompt=data.student_prompt,
+                                     correct=data.solved, n=1, temperature=0.0,
+                                     max_tokens=cfg.student_max_tokens, seed=0,
+                                     group=run.mesh["fsdp"].get_group())
+    return [[count > 0 for count in policy_counts] for policy_counts in counts]
 
 
-SIDE_BY_SIDE = GroupStudents(side_by_side_baseline_accuracy, side_by_side_trained_accuracies)
+SIDE_BY_SIDE = GroupStudents(side_by_side_baseline_outcomes, side_by_side_trained_outcomes)
 
 
 
 # ---------------------------------------------------------------------------------------------
 # The two-turn teacher (METHOD.md "Two-turn teacher", --teacher_turns 2): the question, then its
 # answer in a second turn after the prompt p' (data.answer_prompt); a sample is its two turns,
-# filtered as one text, and the teacher update trains both (rloo.turns)
+# filtered as one text, and the teacher update trains both (rloo_extras.turns)
 
 def two_turns(cfg: Config, run):
     """one_reply in two turns: turn 1 ends where its question does (data.question_end)"""
-    return rloo.turns_of(run.llm, data.teacher_prompt(run.tok),
+    return rloo_extras.turns_of(run.llm, data.teacher_prompt(run.tok),
                          answer_prompt=data.answer_prompt(run.tok, cfg.answer_prompt),
                          stop=data.QUESTION_STOP, turn_end=data.question_end,
                          max_tokens=cfg.teacher_max_tokens, temperature=cfg.temperature,

@@ -478,14 +478,16 @@ def code_of(code) -> str:
 
 
 def grader() -> list:
-    """What decides which problems are hard (fail@k counts data.solved): the code of data.solved
-    and of what it calls, without its comments and docstrings, its constants, and math-verify's
-    version. A fork that changes any of them gets another key, so a world built again."""
+    """What decides which problems are hard (fail@k counts data.solved): the code of data.solved,
+    of what it calls and of the task block at the top of data.py, without comments and
+    docstrings, its constants, and math-verify's version. A fork that changes any of them gets
+    another key, so a world built again."""
     import importlib.metadata
-    funcs = (data.solved, data.grade, data.student_reward, data.last_boxed, data._mv_parse,
-             data._answer_parses)
+    funcs = (data.solved, data.grade, data.grade_answers, data.student_prompt,
+             data.extract_answer, data.quick_reward, data.answer_reward, data.answer_is_valid,
+             data._mv_parse, data.last_boxed)
     constants = [data.R_CORRECT, data.R_CONTAINS, data.R_BOXED, data.R_NONE, data.MV_TIMEOUT_S,
-                 data.DEADLINE_S, data.REWARD_READS_BOXED_ONLY]
+                 data.DEADLINE_S, data._INT.pattern]
     return [[code_of(f) for f in funcs], constants, importlib.metadata.version("math-verify")]
 
 

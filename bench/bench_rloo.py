@@ -109,7 +109,7 @@ def memory_table(shape: str, rank: int) -> str:
     once beside the teacher's with LoRA rank `rank` (METHOD.md "LoRA"), else the teacher sharded
     over all ranks and a student over its group's (rank 0: full fine-tuning)."""
     cfg = LlamaConfig(**{"tie_word_embeddings": True, **SHAPES[shape]})
-    n = rloo.parameter_count(cfg)
+    n = launch.parameter_count(cfg)
     a = lora.adapter_parameters(cfg, rank)
     students = PAPER["students"]
 

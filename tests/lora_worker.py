@@ -119,13 +119,14 @@ def full_folder_then_adapter(llm, policy, folder, out, mesh):
     import torch.distributed as dist
     import lora
     import rloo
+    import rloo_extras
     from rloo_dist_worker import make_tiny_model
     other = os.path.join(out, "other")
     if rloo.rank0():
         make_tiny_model(other, seed=5)
     dist.barrier()
     full = rloo.load_policy(other, mesh, lr=0.0, warmup_steps=0, total_steps=1, kl_coef=0.0)
-    rloo.serve_hf(llm, other)
+    rloo_extras.serve_hf(llm, other)
     res = {"full_served": engine_vs_trainer(llm, [(full, None)], seed=13)}
     res["after_full_served"] = engine_vs_trainer(llm, [(policy, lora.serve_adapter(llm, folder))],
                                                  seed=14)

@@ -4,8 +4,9 @@ test_soar_e2e.py as `SKEW=MODE torchrun ... skewed_groups.py soar.py-flags...`.
 CPU engines give every group the same greedy answers, so the tests could never see groups whose Acc0
 differ. On GPUs they can (greedy bf16 decoding is not batch-invariant). Here:
 - SKEW=accuracy: group 1 measures every accuracy 1/M higher than group 0 (its baseline's and its
-  students' alike, as a biased engine would); with LoRA, the adapter at place i of an engine call
-  measures i/M higher besides (as a batch position could).
+  students' alike, as a biased engine would; the first question's outcome counts 1 more); with
+  LoRA, the adapter at place i of an engine call measures i/M higher besides (as a batch position
+  could).
 - SKEW=decision: rank 1 adds 1 to the step reward of its decision (a rank that decides apart).
 - SKEW=nan: at step 0, group 1's trained students measure NaN (so R holds NaN on every rank); and
   no step keeps promotion candidates (can_promote says no), as a reward above 1 could make it.
@@ -22,35 +23,40 @@ import soar  # noqa: E402
 import world  # noqa: E402
 
 MODE = os.environ.get("SKEW")
-ACCURACY = soar.accuracy
-ADAPTER_ACCURACIES = soar.adapter_accuracies   # with LoRA
-TRAINED_ACCURACIES = soar.trained_accuracies
+OUTCOMES = soar.outcomes
+ADAPTER_OUTCOMES = soar.adapter_outcomes   # with LoRA
+TRAINED_OUTCOMES = soar.trained_outcomes
 DECIDE = soar.decide
 
 
-def skew(run, questions) -> float:
-    return 1 / len(questions) if MODE == "accuracy" and run.mesh.get_local_rank("group") == 1 else 0
+def skew(run) -> int:
+    return int(MODE == "accuracy" and run.mesh.get_local_rank("group") == 1)
 
 
-def skewed_accuracy(cfg, run, questions, policy):
-    return ACCURACY(cfg, run, questions, policy) + skew(run, questions)
+def raised(solved: list, by: int) -> list:
+    """solved with the first question's outcome counting `by` more: its mean is by/M higher"""
+    return [solved[0] + by] + solved[1:]
 
 
-def skewed_adapter_accuracies(cfg, run, questions, policies):
-    place = 1 / len(questions) if MODE == "accuracy" else 0
-    return [a + skew(run, questions) + i * place
-            for i, a in enumerate(ADAPTER_ACCURACIES(cfg, run, questions, policies))]
+def skewed_outcomes(cfg, run, questions, policy):
+    return raised(OUTCOMES(cfg, run, questions, policy), skew(run))
 
 
-def nan_accuracies(cfg, run, step):
-    accs, candidates = TRAINED_ACCURACIES(cfg, run, step)
+def skewed_adapter_outcomes(cfg, run, questions, policies):
+    place = int(MODE == "accuracy")
+    return [raised(solved, skew(run) + i * place)
+            for i, solved in enumerate(ADAPTER_OUTCOMES(cfg, run, questions, policies))]
+
+
+def nan_outcomes(cfg, run, step):
+    solved, candidates = TRAINED_OUTCOMES(cfg, run, step)
     if step.index == 0 and run.mesh.get_local_rank("group") == 1:
-        accs = {kj: float("nan") for kj in accs}
-    return accs, candidates
+        solved = {kj: [float("nan")] * len(s) for kj, s in solved.items()}
+    return solved, candidates
 
 
-def recorded_decide(history, R, window, tau):
-    reward, ma, chosen, history = DECIDE(history, R, window, tau)
+def recorded_decide(history, R, window, tau, every_step=False):
+    reward, ma, chosen, history = DECIDE(history, R, window, tau, every_step)
     rank = int(os.environ["RANK"])
     if MODE == "decision" and rank == 1:
         reward += 1
@@ -61,10 +67,10 @@ def recorded_decide(history, R, window, tau):
 
 
 if __name__ == "__main__":   # (data.grade's workers import this file again)
-    soar.accuracy = skewed_accuracy
-    soar.adapter_accuracies = skewed_adapter_accuracies
+    soar.outcomes = skewed_outcomes
+    soar.adapter_outcomes = skewed_adapter_outcomes
     soar.decide = recorded_decide
     if MODE == "nan":
-        soar.ONE_AT_A_TIME = soar.GroupStudents(soar.baseline_accuracy, nan_accuracies)
+        soar.ONE_AT_A_TIME = soar.GroupStudents(soar.baseline_outcomes, nan_outcomes)
         soar.can_promote = lambda cfg, history: False
     launch.main("soar.py", lambda: soar.main(world.resolve(soar.parse_args())))

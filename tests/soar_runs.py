@@ -12,7 +12,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # g = 2, r = 2: four students over two groups of one rank; small everything else
 FLAGS = ["--world", "small", "--outer_steps", "3", "--num_datasets", "2", "--students", "2",
-         "--dataset_size", "4", "--qr_size", "8", "--window", "1", "--tau", "-1",
+         "--dataset_size", "4", "--qr_size", "8", "--window", "1", "--promote_every_step",
          "--inner_steps", "2", "--inner_step_inc", "1", "--student_questions", "2",
          "--student_samples", "4"]
 LORA = ("--lora_rank", "8")   # the same run with LoRA adapters (conftest.lora_run)

@@ -103,14 +103,16 @@ def test_grade_sends_each_distinct_pair_once(monkeypatch):
     comps = ["so \\boxed{4}", "\\boxed{4}", "no box", "\\boxed{0.5}", "\\boxed{4}", "\\boxed{0.5}"]
     golds = ["4", "4", "4", "1/2", "5", "1/2"]
     assert data.grade(comps, golds) == [data.student_reward(c, g) for c, g in zip(comps, golds)]
-    assert sent == [("\\boxed{0.5}", "1/2")]   # plain integers are compared without a worker
+    assert sent == [("0.5", "1/2")]   # plain integers are compared without a worker
 
 
 def test_a_reward_that_reads_the_whole_completion_sees_it(monkeypatch):
-    """grade's contract (data.REWARD_READS_BOXED_ONLY): off, every distinct (completion, gold)
-    reaches student_reward whole, an unboxed one and a plain integer too (here a scripted pool)"""
+    """The task block's contract: grade sends what extract_answer returns to answer_reward. A task
+    whose answer is the whole completion (and that takes no quick step) gets every distinct
+    (completion, gold), an unboxed one and a plain integer too (here a scripted pool)."""
     sent = []
-    monkeypatch.setattr(data, "REWARD_READS_BOXED_ONLY", False)
+    monkeypatch.setattr(data, "extract_answer", lambda completion: completion)
+    monkeypatch.setattr(data, "quick_reward", lambda answer, gold: None)
     monkeypatch.setattr(data, "_pool_map", lambda kind, items, on_timeout: sent.extend(items) or
                         [float(len(c)) for c, _ in items])
     comps = ["so \\boxed{4}", "\\boxed{4}", "no box", "so \\boxed{4}"]
@@ -286,7 +288,7 @@ def test_unparseable_gold_answers_are_dropped(tmp_path, capsys):
             {"question": "c?", "answer": "x^2 + 1"}, {"question": "d?", "answer": "}{"}]
     data.write_jsonl(str(tmp_path / "p.jsonl"), rows)
     assert data.load_problems(str(tmp_path / "p.jsonl")) == [rows[0], rows[2]]
-    assert "dropped 2 of 4 problems whose gold answer math-verify cannot parse" in \
+    assert "dropped 2 of 4 problems whose gold answer the checker cannot read" in \
         capsys.readouterr().err
 
 

@@ -571,7 +571,7 @@ sys.path.insert(0, {root!r})
 import eval as ev
 import rloo
 ev.ROWS["pq-sept6"] = ev.Row("mine", file="{{soar}}/pq.jsonl", group="big_group",
-                             advantages=rloo.sept_advantages, kl=False)
+                             advantages=ev.sept_advantages, kl=False)
 if __name__ == "__main__":
     ev.main()
 """
@@ -626,8 +626,8 @@ def test_rows_end_to_end(rows_run, small_world):
         assert res["method"] == method and list(res["passk"]) == ["pass@1", "pass@4", "pass@8"]
         p = list(res["passk"].values())
         assert all(0 <= x <= 1 for x in p) and p == sorted(p)                # pass@k grows with k
-    # ps is a copy of the base model, served from its folder after the base's row (rloo.serve_hf):
-    # the same samples, the same pass@k
+    # ps is a copy of the base model, served from its folder after the base's row
+    # (rloo_extras.serve_hf): the same samples, the same pass@k
     assert json.loads((runs / "ps" / "seed0" / "result.json").read_text())["passk"] == \
         json.loads((runs / "base" / "seed0" / "result.json").read_text())["passk"]
     for method in ("hard-only", "pq", "base-t", "sept"):

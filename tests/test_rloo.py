@@ -18,6 +18,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
 import launch  # noqa: E402
 import rloo  # noqa: E402
+import rloo_extras  # noqa: E402
 from rloo_dist_worker import PROMPTS, fixed_batch, make_tiny_model  # noqa: E402
 
 LR = 1e-3   # the worker's lr for the fixed-batch step
@@ -129,14 +130,14 @@ def test_a_hub_named_base_served_again_is_the_base_and_unread_weights_are_an_err
               str(folder / "model.safetensors"))
     monkeypatch.setattr(hub, "snapshot_download", lambda name, **kwargs: str(folder))
     llm = scripted_engine("org/tiny-model")
-    rloo.serve_hf(llm, "org/tiny-model")
+    rloo_extras.serve_hf(llm, "org/tiny-model")
     assert not llm.base_replaced
     assert llm.vllm.read == ["model.embed_tokens.weight", "model.norm.weight",
                              "lm_head.weight"]   # tied: the embedding
-    rloo.serve_hf(llm, "org/other-model")
+    rloo_extras.serve_hf(llm, "org/other-model")
     assert llm.base_replaced
     with pytest.raises(RuntimeError, match="left 2 tensors unread, the first model.norm.weight"):
-        rloo.serve_hf(scripted_engine("org/tiny-model", reads=1), "org/tiny-model")
+        rloo_extras.serve_hf(scripted_engine("org/tiny-model", reads=1), "org/tiny-model")
 
 
 def test_two_turns_end_the_question_where_the_format_filter_does(monkeypatch):
@@ -159,7 +160,7 @@ def test_two_turns_end_the_question_where_the_format_filter_does(monkeypatch):
     monkeypatch.setattr(rloo, "generate", fake_generate)
     tokenizer = SimpleNamespace(decode=decode)
     llm = SimpleNamespace(vllm=SimpleNamespace(get_tokenizer=lambda: tokenizer))
-    samples, texts = rloo.sample_turns(llm, list("p"), 4, answer_prompt=list("<answer>"),
+    samples, texts = rloo_extras.sample_turns(llm, list("p"), 4, answer_prompt=list("<answer>"),
                                        stop=data.QUESTION_STOP, turn_end=data.question_end,
                                        max_tokens=64, temperature=1.0, seed=0)
     assert decode(samples[0][0].token_ids) == "<question>What is 1+1?<question>"

@@ -34,7 +34,7 @@ def test_outputs_are_consistent(full_run):
         assert m["reward"] == pytest.approx(sum(m["R_k"]) / 2)
         assert all(-1 <= x <= 1 for row in m["R"] for x in row) and 0 <= m["acc0"] <= 1
         assert m["ma"] == pytest.approx(m["reward"])              # window 1
-        # tau = -1 < any MA: every step promotes, argmax dataset, lower-middle student of r = 2
+        # --promote_every_step: every step promotes, argmax dataset, lower-middle student of r = 2
         assert m["promoted"] and m["promoted_k"] == max(range(2), key=lambda k: (m["R_k"][k], -k))
         row = m["R"][m["promoted_k"]]
         assert m["promoted_j"] == (0 if row[0] <= row[1] else 1)
@@ -156,8 +156,8 @@ def test_unchanged_student_scores_zero_and_snapshots_wait_for_a_full_window(tmp_
     the group that trained student (k, j), so R is still 0, and both ranks decide alike.
     Window 2: step 0 cannot promote, so no snapshot is kept; step 1 can."""
     out = tmp_path / "lr0"
-    p = skewed(out, "accuracy", "--student_lr", "0", "--window", "2", "--tau", "0.4",
-               "--outer_steps", "2", "--train", str(easy), *flags)
+    p = skewed(out, "accuracy", "--student_lr", "0", "--no-promote_every_step", "--window", "2",
+               "--tau", "0.4", "--outer_steps", "2", "--train", str(easy), *flags)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     metrics = rows(out / "metrics.jsonl")
     assert all(m["acc0"] > 0 for m in metrics)
@@ -183,9 +183,9 @@ def test_ranks_that_decide_apart_stop_with_one_error(tmp_path):
 def test_a_nan_reward_is_one_decision_and_an_unkept_student_stops_every_rank(tmp_path):
     """tests/skewed_groups.py SKEW=nan: at step 0 group 1's students measure NaN, so R holds NaN
     (the same on every rank: the ranks agree, NaN or not), the step does not promote (MA is NaN) and
-    its teacher update is skipped as non-finite; at step 1 (tau -1) the chosen student was not kept
-    (can_promote made to say no): every rank stops with the error, printed once, where the chosen
-    group alone raising would leave the other waiting in the broadcast"""
+    its teacher update is skipped as non-finite; at step 1 (--promote_every_step) the chosen student
+    was not kept (can_promote made to say no): every rank stops with the error, printed once, where
+    the chosen group alone raising would leave the other waiting in the broadcast"""
     out = tmp_path / "nan"
     p = skewed(out, "nan", "--outer_steps", "2")
     assert p.returncode != 0
@@ -271,11 +271,12 @@ def test_two_turn_teacher_trains_both_turns(opensir_two_turns):
     import subprocess
     out = opensir_two_turns
     m = rows(out / "metrics.jsonl")[0]
-    code = ("import json, sys, data, launch, rloo, world; rloo.init_distributed(); "
+    code = ("import json, sys, data, launch, rloo, rloo_extras, world; rloo.init_distributed(); "
             "model = world.build_world(small=True)['model']; tok = launch.tokenizer(model); "
             "llm = rloo.build_engine(model, max_model_len=320); "
             "seeds = [rloo.seed_of(0, 0, 'teacher', i) for i in range(8)]; "
-            "draw = rloo.turns_of(llm, data.teacher_prompt(tok), max_tokens=96, temperature=1.0, "
+            "draw = rloo_extras.turns_of(llm, data.teacher_prompt(tok), max_tokens=96, "
+            "temperature=1.0, "
             "answer_prompt=data.answer_prompt(tok, 'tag'), stop=data.QUESTION_STOP, "
             "turn_end=data.question_end); "
             "kept, _ = rloo.sample_until(draw, need=8, parse=data.parse_teacher_batch, "

@@ -192,7 +192,7 @@ def test_a_layout_that_cannot_fit_is_named_before_anything_loads(tmp_path):
 
 
 def test_the_engine_is_sized_for_an_inner_step(monkeypatch):
-    """rloo.step_engine_args (GPU only) and launch.kv_line: the paper's layout, 16 groups of 2
+    """launch.step_engine_args (GPU only) and launch.kv_line: the paper's layout, 16 groups of 2
     ranks, one student each, puts 128 rollouts of up to 1152 tokens on a rank: 147456 tokens, more
     than the ~120k an H100's 30% holds (a warning naming the flag), less than an H200's"""
     cfg = Config()
@@ -200,11 +200,12 @@ def test_the_engine_is_sized_for_an_inner_step(monkeypatch):
     assert seqs == 8 * 32 // 2 == 128
     # LoRA: a group's 2 students at once
     assert launch.step_sequences(Config(lora_rank=32), 8, 8, 2) == 2 * 8 * 32
-    assert rloo.step_engine_args(seqs, 128) == {}   # CPU: build_engine's own settings
+    assert launch.step_engine_args(seqs, 128) == {}   # CPU: build_engine's own settings
     monkeypatch.setattr(rloo.torch.cuda, "is_available", lambda: True)
-    assert rloo.step_engine_args(seqs, 128) == dict(max_num_seqs=128, max_num_batched_tokens=16384)
-    assert rloo.step_engine_args(4, 100) == dict(max_num_seqs=4, max_num_batched_tokens=2048)
-    assert rloo.step_engine_args(256, 128)["max_num_batched_tokens"] == 16384   # vLLM's default
+    assert launch.step_engine_args(seqs, 128) == dict(max_num_seqs=128,
+                                                      max_num_batched_tokens=16384)
+    assert launch.step_engine_args(4, 100) == dict(max_num_seqs=4, max_num_batched_tokens=2048)
+    assert launch.step_engine_args(256, 128)["max_num_batched_tokens"] == 16384   # vLLM's default
     short = launch.kv_line(120_000, seqs, 1152)
     assert short.startswith("engine: KV cache 120000 tokens per rank; an inner step needs up to "
                             "147456 (128 rollouts x 1152 tokens); warning: 1.2x the cache")
@@ -230,9 +231,12 @@ def test_each_teacher_reward_is_a_function_of_one_datasets_measurements():
     """TEACHER_REWARDS on hand-built records: one reward per student, or one per dataset"""
     X = [("q1", "1"), ("q2", "2")]
     # student 2 was trained by a group whose engines measure Acc0 higher: its own Acc0 is subtracted
-    students = soar.Measured(X, accs=[0.5, 0.25, 0.5], acc0s=[0.25, 0.25, 0.75], solve_rates=[],
+    T, F = True, False   # what each student, and the baseline where it was measured, solved of Q_R
+    students = soar.Measured(X, solved=[[T, F, T, F], [T, F, F, F], [T, T, F, F]],
+                             solved0=[[T, F, F, F], [F, F, F, T], [T, T, T, F]], solve_rates=[],
                              novelty=[])
-    baseline = soar.Measured(X, accs=[], acc0s=[], solve_rates=[0.0, 0.5], novelty=[1.0, 0.2])
+    assert students.accs == [0.5, 0.25, 0.5] and students.acc0s == [0.25, 0.25, 0.75]
+    baseline = soar.Measured(X, solved=[], solved0=[], solve_rates=[0.0, 0.5], novelty=[1.0, 0.2])
     rewards = soar.TEACHER_REWARDS
     assert rewards["grounded"].score(students) == [0.25, 0.0, -0.25]   # R_kj = Acc - Acc0
     assert rewards["learnability"].score(baseline) == [0.25]           # (0 + 0.5) / 2
