@@ -224,91 +224,10 @@ def _parse_teacher_text(text: str) -> tuple[str, str] | None:
     return question, answer.strip()
 
 
-_TASKS = {"reward": answer_reward, "parses": answer_is_valid}   # what the workers run
-
-
-def die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this process when its parent dies, so that no orphan goes on
-    running (or writing into a run folder) after its launcher is gone."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
-        if os.getppid() == 1:                         # the parent died before we asked
-            os._exit(1)
-
-
-def _worker(conn):
-    die_with_parent()   # its parent is multiprocessing's fork server, which exits with our process
-    import math_verify  # noqa: F401  (loaded before "ready": the deadline must not pay for imports)
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # timeouts are expected, not news
-    conn.send("ready")
-    while True:
-        kind, args = conn.recv()
-        try:
-            out = _TASKS[kind](*args)
-        except Exception:  # a math-verify crash on odd input is a failed item, not a dead worker
-            out = None
-        conn.send(out)
-
-
-_pool: list = []  # [process, connection] pairs, built on first use and kept
-# since the start: items past the deadline (worker killed), items whose worker crashed or raised
-GRADING_FAULTS = {"grading_timeouts": 0, "grading_errors": 0}
-WARN_FAULT_SHARE = 0.01   # grade() warns when more than this share of a batch failed so
-
-
-def _spawn():
-    ctx = mp.get_context("forkserver")  # not fork: the parent holds vLLM/torch threads
-    ctx.set_forkserver_preload(["math_verify", __name__])
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=_worker, args=(child,), daemon=True)
-    p.start()
-    child.close()
-    if not parent.poll(SPAWN_TIMEOUT_S) or parent.recv() != "ready":
-        p.kill()
-        raise RuntimeError(f"a grading worker did not start within {SPAWN_TIMEOUT_S}s")
-    return [p, parent]
-
-
-def _pool_map(kind: str, items: list[tuple], on_timeout) -> list:
-    """Run _TASKS[kind](*item) for every item in the worker pool; an item that errors or runs past
-    DEADLINE_S gets on_timeout (its worker is killed and replaced). Cannot hang."""
-    while len(_pool) < GRADE_WORKERS:
-        _pool.append(_spawn())
-    out = [on_timeout] * len(items)
-    todo = deque(range(len(items)))
-    busy = {}   # worker -> (item, its start)
-    while todo or busy:
-        for w in range(len(_pool)):
-            if w not in busy and todo:
-                i = todo.popleft()
-                _pool[w][1].send((kind, items[i]))
-                busy[w] = (i, time.monotonic())
-        conns = {id(_pool[w][1]): w for w in busy}
-        for conn in wait([_pool[w][1] for w in busy], timeout=0.05):
-            w = conns[id(conn)]
-            i, _ = busy.pop(w)
-            try:
-                res = conn.recv()
-            except EOFError:  # the worker died (e.g. out of memory on a huge number)
-                res = None
-                _pool[w] = _spawn()
-            GRADING_FAULTS["grading_errors"] += res is None
-            out[i] = on_timeout if res is None else res
-        now = time.monotonic()
-        for w, (i, t0) in list(busy.items()):
-            if now - t0 > DEADLINE_S:
-                _pool[w][0].kill()
-                _pool[w] = _spawn()
-                del busy[w]
-                GRADING_FAULTS["grading_timeouts"] += 1
-    return out
-
-
 def grade(completions: list[str], golds: list[str]) -> list[float]:
-    """The student reward of each completion (the task's extract_answer, then answer_reward),
-    safely: a pathological answer costs at most DEADLINE_S of one worker and is graded as a wrong
-    answer (R_BOXED). Each distinct (answer, gold) pair is graded once (samples repeat a lot), in
-    the workers unless quick_reward settles it."""
+    """answer_reward(extract_answer(completion), gold) of each completion, each distinct pair once,
+    in worker processes with a deadline (the harness at the end of this file): a pathological
+    answer is graded as a wrong one (R_BOXED) and cannot hang a step."""
     if len(completions) != len(golds):
         raise ValueError(f"grade: {len(completions)} completions but {len(golds)} gold answers")
     return grade_answers([extract_answer(c) for c in completions], golds)
@@ -338,11 +257,6 @@ def solved(completions: list[str], golds: list[str]) -> list[bool]:
     """per completion: is its boxed answer correct? Acc, pass@k and fail@k count this. Correct is
     exactly a reward of R_CORRECT: a student_reward of another scale must keep that meaning."""
     return [r == R_CORRECT for r in grade(completions, golds)]
-
-
-def grading_faults() -> dict:
-    """the grading timeouts and errors since the process started (callers count differences)"""
-    return dict(GRADING_FAULTS)
 
 
 def engine_len(tok, questions: list[str], student_max_tokens: int,
@@ -645,6 +559,95 @@ def vendi_bootstrap(X: np.ndarray, subset: int = 128, draws: int = 100,
 def embed(texts: list[str], how: str = "ngram") -> np.ndarray:
     """question embeddings for Vendi: "ngram", or a HF model path"""
     return embed_ngram(texts) if how == "ngram" else embed_hf(texts, how)
+
+
+# ---- harness: the grading pool behind grade(), answer_is_valid's batch checks and load_problems.
+# Each item runs in a worker process with a deadline, so no answer can hang a step.
+
+_TASKS = {"reward": answer_reward, "parses": answer_is_valid}   # what the workers run
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies, so that no orphan goes on
+    running (or writing into a run folder) after its launcher is gone."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
+        if os.getppid() == 1:                         # the parent died before we asked
+            os._exit(1)
+
+
+def _worker(conn):
+    die_with_parent()   # its parent is multiprocessing's fork server, which exits with our process
+    import math_verify  # noqa: F401  (loaded before "ready": the deadline must not pay for imports)
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # timeouts are expected, not news
+    conn.send("ready")
+    while True:
+        kind, args = conn.recv()
+        try:
+            out = _TASKS[kind](*args)
+        except Exception:  # a math-verify crash on odd input is a failed item, not a dead worker
+            out = None
+        conn.send(out)
+
+
+_pool: list = []  # [process, connection] pairs, built on first use and kept
+# since the start: items past the deadline (worker killed), items whose worker crashed or raised
+GRADING_FAULTS = {"grading_timeouts": 0, "grading_errors": 0}
+WARN_FAULT_SHARE = 0.01   # grade() warns when more than this share of a batch failed so
+
+
+def _spawn():
+    ctx = mp.get_context("forkserver")  # not fork: the parent holds vLLM/torch threads
+    ctx.set_forkserver_preload(["math_verify", __name__])
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_worker, args=(child,), daemon=True)
+    p.start()
+    child.close()
+    if not parent.poll(SPAWN_TIMEOUT_S) or parent.recv() != "ready":
+        p.kill()
+        raise RuntimeError(f"a grading worker did not start within {SPAWN_TIMEOUT_S}s")
+    return [p, parent]
+
+
+def _pool_map(kind: str, items: list[tuple], on_timeout) -> list:
+    """Run _TASKS[kind](*item) for every item in the worker pool; an item that errors or runs past
+    DEADLINE_S gets on_timeout (its worker is killed and replaced). Cannot hang."""
+    while len(_pool) < GRADE_WORKERS:
+        _pool.append(_spawn())
+    out = [on_timeout] * len(items)
+    todo = deque(range(len(items)))
+    busy = {}   # worker -> (item, its start)
+    while todo or busy:
+        for w in range(len(_pool)):
+            if w not in busy and todo:
+                i = todo.popleft()
+                _pool[w][1].send((kind, items[i]))
+                busy[w] = (i, time.monotonic())
+        conns = {id(_pool[w][1]): w for w in busy}
+        for conn in wait([_pool[w][1] for w in busy], timeout=0.05):
+            w = conns[id(conn)]
+            i, _ = busy.pop(w)
+            try:
+                res = conn.recv()
+            except EOFError:  # the worker died (e.g. out of memory on a huge number)
+                res = None
+                _pool[w] = _spawn()
+            GRADING_FAULTS["grading_errors"] += res is None
+            out[i] = on_timeout if res is None else res
+        now = time.monotonic()
+        for w, (i, t0) in list(busy.items()):
+            if now - t0 > DEADLINE_S:
+                _pool[w][0].kill()
+                _pool[w] = _spawn()
+                del busy[w]
+                GRADING_FAULTS["grading_timeouts"] += 1
+    return out
+
+
+def grading_faults() -> dict:
+    """the grading timeouts and errors since the process started (callers count differences)"""
+    return dict(GRADING_FAULTS)
+
 
 
 def parse_args(argv=None):

@@ -82,6 +82,46 @@ def test_ppo_clip_stops_the_gradient_once_the_ratio_leaves_the_band():
     assert logp.grad.tolist()[0] == pytest.approx([-1.0, 1.1, 0.0, 0.0, 1.5, 0.0])
 
 
+def test_several_updates_take_shuffled_minibatches_and_the_log_probs_before_the_first(monkeypatch):
+    """rloo.learn with updates=k: the rollouts in k minibatches (shuffled by the seed, each rollout
+    once), a train_step each; a loss that asks for old_logp (ppo_loss) gets every row's log-probs
+    from before the first update, computed once; rloo_loss gets none. One update: every rollout in
+    order, as one on-policy step. (train_step and the log-probs are recorded stand-ins: the logic
+    of learn alone; the real update is test_loss_and_update_match_hand_computation.)"""
+    calls, computed = [], []
+
+    def train_step(policy, prompts, completions, advantages, *, old_logprobs=None, **_):
+        calls.append((completions, advantages, old_logprobs))
+        return dict(loss=1.0, pg_loss=1.0, kl=0.0, grad_norm=len(calls), lr=0.1, tokens=2.0,
+                    skipped=False)
+
+    def sequence_logprobs(model, prompts, completions, **_):
+        computed.append(len(completions))
+        return [[-float(c[0])] for c in completions]
+
+    monkeypatch.setattr(rloo, "train_step", train_step)
+    monkeypatch.setattr(rloo, "sequence_logprobs", sequence_logprobs)
+    monkeypatch.setattr(rloo, "my_share", lambda items, group=None: items)   # one rank
+    policy = SimpleNamespace(model=None, device="cpu", shared_prompts=False,
+                             mesh=SimpleNamespace(get_group=lambda: None))
+    flat = [(rloo.Sample(str(i), [i], [0]), "a") for i in range(8)]   # 2 questions x 4 samples
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    stats = rloo.learn(policy, flat, rewards, 4, group=None, advantages=rloo.rloo_advantages,
+                       loss=rloo.ppo_loss, temperature=1.0, micro_batch_tokens=64, updates=4,
+                       seed=3)
+    assert len(calls) == 4 and computed == [8]
+    rows = [c[0] for completions, _, _ in calls for c in completions]
+    assert sorted(rows) == list(range(8)) and rows != list(range(8))   # each once, shuffled
+    assert all(old == [[-float(c[0])] for c in completions] for completions, _, old in calls)
+    adv = rloo.rloo_advantages(torch.tensor(rewards).view(2, 4)).flatten().tolist()
+    assert all(a == [adv[c[0]] for c in completions] for completions, a, _ in calls)
+    assert stats["grad_norm"] == 2.5 and not stats["skipped"]   # the updates' mean
+    calls.clear()
+    rloo.learn(policy, flat, rewards, 4, group=None, advantages=rloo.rloo_advantages,
+               loss=rloo.rloo_loss, temperature=1.0, micro_batch_tokens=64)
+    assert [[c[0] for c in calls[0][0]]] == [list(range(8))] and calls[0][2] is None
+
+
 def test_readable_units():
     assert [launch.readable(n) for n in (6.1e5, 1.2e8, 3.2125e9)] == ["0.61 M", "120 M", "3.21 B"]
     assert launch.readable(7.3e6, ((1e9, "GB"), (1e6, "MB"))) == "7.3 MB"
