@@ -77,6 +77,7 @@ _INT = re.compile(r"-?[0-9]{1,18}")   # a plain ASCII integer, short enough that
 
 
 def student_prompt(question: str) -> str:
+    """the student's prompt for a question"""
     return STUDENT_PROMPT.replace("{question}", question)  # not .format: questions contain braces
 
 
@@ -109,11 +110,13 @@ def answer_reward(answer: str | None, gold: str) -> float:
 
 
 def answer_is_valid(answer: str) -> bool:
+    """can math-verify parse it into a math object? (run in a grading worker)"""
     # math-verify falls back to the raw string when it cannot parse: demand a real (sympy) object
     return any(not isinstance(x, str) for x in _mv_parse(answer))
 
 
 def _mv_parse(s: str):
+    """math-verify's parse of an answer, as if boxed"""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
     return parse("\\boxed{" + s + "}",
                  extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
@@ -577,6 +580,7 @@ def die_with_parent() -> None:
 
 
 def _worker(conn):
+    """a grading worker: runs _TASKS[kind](*args) for each (kind, args) it receives"""
     die_with_parent()   # its parent is multiprocessing's fork server, which exits with our process
     import math_verify  # noqa: F401  (loaded before "ready": the deadline must not pay for imports)
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # timeouts are expected, not news
@@ -597,6 +601,7 @@ WARN_FAULT_SHARE = 0.01   # grade() warns when more than this share of a batch f
 
 
 def _spawn():
+    """a new grading worker process, started and ready: [process, connection]"""
     ctx = mp.get_context("forkserver")  # not fork: the parent holds vLLM/torch threads
     ctx.set_forkserver_preload(["math_verify", __name__])
     parent, child = ctx.Pipe()

@@ -731,7 +731,7 @@ def fresh_student(cfg: Config, row: Row, mesh, out: str, config: dict):
             group["betas"] = SERL_ADAM_BETAS
     ckpt, state = launch.resume(out, config, MAY_CHANGE)
     if ckpt:
-        rloo.load_state(policy, os.path.join(ckpt, "policy"))
+        rloo_extras.load_state(policy, os.path.join(ckpt, "policy"))
     launch.restore_rows(out, ckpt, ("metrics.jsonl", "evals.jsonl"))   # only the ckpt's steps
     return policy, (state["step"] if ckpt else 0)
 

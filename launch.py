@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import data
 import lora
 import rloo
+import rloo_extras
 
 # -----------------------------------------------------------------------------
 KEEP_CKPTS = 2              # checkpoints kept: a damaged newest one falls back to the one before
@@ -54,8 +55,9 @@ ACTIVATION_TOKEN_GIB = 4.19e-4  # a micro-batch token: the checkpointed layer in
                                 # recompute: x width x depth
 NO_CHECKPOINT_FACTOR = 8.7  # the per-token part without activation checkpointing
 CONTEXT_GIB = 3.0           # a margin for the CUDA context, cuBLAS workspaces and NCCL's buffers
-# host RAM per rank (host_memory): theta and the promotion candidates, fp32 shards (rloo.snapshot),
-# may take this share of a rank's part of the host's RAM; the rest is for the processes themselves
+# host RAM per rank (host_memory): theta and the promotion candidates, fp32 shards
+# (rloo_extras.snapshot), may take this share of a rank's part of the host's RAM; the rest is for
+# the processes themselves
 SNAPSHOT_BYTES = 4
 HOST_SHARE = 0.5
 # GPU engines: vLLM's default prefill batch on large GPUs; the activations it profiles for it come
@@ -296,8 +298,8 @@ def _alive(pid: int) -> bool:
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: out/ckpt/step-N holds all a restart needs: rloo.save_state per policy, the run's
-# jsonl rows up to step N (rows/), and state.json, which lists every file's size and CRC-32
+# checkpoints: out/ckpt/step-N holds all a restart needs: rloo_extras.save_state per policy, the
+# run's jsonl rows up to step N (rows/), and state.json, which lists every file's size and CRC-32
 # (resume checks them); it is made as step-N.tmp and appears in one rename
 
 def ckpt_dirs(out: str) -> list[str]:
@@ -364,7 +366,7 @@ def save_checkpoint(out: str, step: int, policies: dict, state: dict, unchanged:
     hard-linked from there, not written again. Non-finite state is never saved, and a failed write
     (a full disk) removes step-N.tmp and stops the run naming the bytes needed. All ranks call."""
     for name, (policy, optimizer) in policies.items():
-        if not rloo.finite(policy, optimizer):
+        if not rloo_extras.finite(policy, optimizer):
             raise RuntimeError(f"the {name}'s weights or optimizer state are not finite after step "
                                f"{step}: not saved (the last checkpoint stays as it was)")
     final = os.path.join(out, "ckpt", f"step-{step}")
@@ -376,7 +378,7 @@ def save_checkpoint(out: str, step: int, policies: dict, state: dict, unchanged:
         on_rank0(_begin, tmp, prev, linked, rows or {})
         for name, (policy, optimizer) in policies.items():
             if name not in linked:
-                rloo.save_state(policy, os.path.join(tmp, name), optimizer)
+                rloo_extras.save_state(policy, os.path.join(tmp, name), optimizer)
         listing = on_rank0(lambda: {os.path.relpath(os.path.join(d, f), tmp): None
                                     for d, _, fs in os.walk(tmp) for f in fs})
         checked = [x for part in rloo.all_gather(_checked(tmp, listing)) for x in part]
@@ -513,6 +515,7 @@ class Meter:
 
     @contextmanager
     def timed(self, phase: str):
+        """with timed(phase): the block's seconds and counts, less its nested blocks', to phase"""
         t0 = time.perf_counter()
         before = dict(rloo.COUNTS)
         self._open.append([phase, 0.0, defaultdict(int)])
@@ -677,7 +680,7 @@ class SoarRun:
     student: rloo.Policy        # this group's student: theta, and the one it trains
     adapters: list              # with LoRA, an adapter for each of the group's students, trained
                                 # side by side (the first is student); else []
-    theta: dict                 # the baseline student's shards (rloo.snapshot)
+    theta: dict                 # the baseline student's shards (rloo_extras.snapshot)
     hard: list                  # the hard train split
     state: dict                 # what a checkpoint holds besides the weights
     n_params: int
@@ -739,7 +742,8 @@ def commit(cfg, run: SoarRun, rows: dict, promoted: bool, line) -> None:
     row["total"] = round(time.perf_counter() - t0, 3)
     row.update(soar_throughput(cfg, run, faults_before))
     state = run.state
-    rloo.restore(run.student, run.theta)   # checkpoint and outputs hold theta, not the last student
+    # checkpoint and outputs hold theta, not the last student
+    rloo_extras.restore(run.student, run.theta)
     save_checkpoint(cfg.out, state["step"],
                     {"teacher": (run.teacher, True), "student": (run.student, False)},
                     {**state, "config": dataclasses.asdict(cfg)},
@@ -776,10 +780,10 @@ def save_soar_folders(cfg, run: SoarRun) -> None:
     tag = {"step": state["step"], "promotions": state["promotions"]}
     # how the teacher samples (eval.answer_form), wherever its folder is copied to
     turns = {"teacher_turns": cfg.teacher_turns, "answer_prompt": cfg.answer_prompt}
-    rloo.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok, state["step"],
+    rloo_extras.save_hf(run.teacher, os.path.join(cfg.out, "teacher"), run.tok, state["step"],
                  {"soar.json": {**tag, **turns}})
     if on_rank0(hf_behind, cfg.out, state, ("student",)):
-        rloo.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok, state["step"],
+        rloo_extras.save_hf(run.student, os.path.join(cfg.out, "student"), run.tok, state["step"],
                      {"soar.json": tag})
 
 
@@ -851,8 +855,8 @@ def memory(cfg, world_size: int, gpu_gib: float, config) -> dict[str, float]:
 
 def host_memory(cfg, world_size: int, config) -> float:
     """GiB of host RAM a rank holds for theta and the promotion candidates kept in a step that can
-    promote (rloo.snapshot: its fp32 shard of each, pinned on GPUs): one copy per student of its
-    group at most (theta, and every student but the last, which stays on the GPUs); with LoRA,
+    promote (rloo_extras.snapshot: its fp32 shard of each, pinned on GPUs): one copy per student of
+    its group at most (theta, and every student but the last, which stays on the GPUs); with LoRA,
     whole adapters. About g*r*4N/W bytes for full fine-tuning, whatever the groups."""
     per_group = max(students_per_group(cfg, world_size), 1)
     if cfg.lora_rank:
@@ -997,8 +1001,8 @@ def load_models(cfg, device, world_size: int, tok, seq_len: int, hard: list, ckp
                           base=teacher, seed=0)
               for _ in range(at_once - 1)]
     if ckpt:
-        rloo.load_state(teacher, os.path.join(ckpt, "teacher"))
-        rloo.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta
+        rloo_extras.load_state(teacher, os.path.join(ckpt, "teacher"))
+        rloo_extras.load_state(student, os.path.join(ckpt, "student"), optimizer=False)   # theta
     if cfg.lora_rank:
         n_params = lora.base_parameters(teacher)
     else:
@@ -1007,8 +1011,8 @@ def load_models(cfg, device, world_size: int, tok, seq_len: int, hard: list, ckp
     announce(cfg, world_size, G, n_params, n_trained, teacher.save_dtype.itemsize, bool(ckpt),
              state["step"])
     adapters = [student] + others if cfg.lora_rank else []
-    return SoarRun(mesh, tok, llm, teacher, student, adapters, rloo.snapshot(student), hard, state,
-                   n_params, wb)
+    return SoarRun(mesh, tok, llm, teacher, student, adapters, rloo_extras.snapshot(student), hard,
+                   state, n_params, wb)
 
 
 def load_policy(cfg, mesh, *, seed: int, base=None, **schedule) -> rloo.Policy:

@@ -3,8 +3,9 @@ LoRA (METHOD.md "LoRA"): policies that are low-rank adapters on one frozen base 
 synced, checkpointed and written in the PEFT format. An extra beside rloo.py, which knows nothing
 of it: a LoRA policy is an rloo.Policy whose model is an AdapterModel (the shared base with this
 policy's adapter active, its parameters the adapter's alone) and whose `backend` is this module,
-so rloo's sync_weights, save_state, load_state and save_hf call the functions of the same name
-here. rloo.train_step, snapshot, restore and broadcast_snapshot need nothing of it.
+so rloo's sync_weights and rloo_extras' save_state, load_state and save_hf call the functions of
+the same name here. rloo.train_step and rloo_extras' snapshot, restore and broadcast_snapshot need
+nothing of it.
 
     teacher = lora.load_policy("my/model", mesh, rank=32, lr=1e-4, warmup_steps=0, total_steps=10)
     student = lora.load_policy("my/model", mesh, rank=32, lr=1e-4, warmup_steps=0, total_steps=10,
@@ -267,7 +268,7 @@ def adapter_root(need_bytes: int, shm: str = SHM) -> str | None:
 
 
 # -----------------------------------------------------------------------------
-# state and folders (rloo's save_state, load_state and save_hf call these for a LoRA policy)
+# state and folders (rloo_extras' save_state, load_state and save_hf call these for a LoRA policy)
 
 def save_state(policy: rloo.Policy, path: str, optimizer: bool = True) -> None:
     """The adapter (and its AdamW and schedule state), the same on every rank, in one file rank 0
@@ -294,8 +295,8 @@ def load_state(policy: rloo.Policy, path: str, optimizer: bool = True) -> None:
 
 def save_hf(policy: rloo.Policy, path: str, tokenizer=None, version: int = 0,
             extra: dict | None = None) -> None:
-    """rloo.save_hf's folder as a PEFT adapter folder (fp32) for the base model"""
-    rloo.write_folder(path, version, lambda folder: write_adapter(policy, folder), tokenizer,
+    """rloo_extras.save_hf's folder as a PEFT adapter folder (fp32) for the base model"""
+    rloo_extras.write_folder(path, version, lambda folder: write_adapter(policy, folder), tokenizer,
                       extra)
 
 

@@ -34,6 +34,7 @@ import data
 import launch
 import lora
 import rloo
+import rloo_extras
 import world
 
 
@@ -568,21 +569,22 @@ def evolve(cfg: Config, run, rnd: int) -> dict:
         if chosen is None:   # (--single_agent: populations of 1)
             continue
         loser, best, second = chosen
-        child = rloo.snapshot(members[best])
+        child = rloo_extras.snapshot(members[best])
         seed = rloo.seed_of(cfg.seed, rnd, name, "crossover")
         if second is not None and cfg.crossover in ("uniform", "dare"):
             merge = crossover_dare if cfg.crossover == "dare" else crossover_uniform
-            child = merge(child, rloo.snapshot(members[second]), cfg.dare_drop, seed,
+            child = merge(child, rloo_extras.snapshot(members[second]), cfg.dare_drop, seed,
                           members[best].device)
         elif second is not None:
-            child = crossover_layers(child, rloo.snapshot(members[second]), seed)
+            child = crossover_layers(child, rloo_extras.snapshot(members[second]), seed)
         seed = rloo.seed_of(cfg.seed, rnd, name, "mutation")
         if cfg.mutation == "svd":
             child = mutate_svd(child, cfg.mutation_sigma, seed)
         else:
             child = mutate_gaussian(child, cfg.mutation_sigma, seed)
-        rloo.broadcast_snapshot(child, 0, dist.group.WORLD)   # one child, whatever LAPACK does
-        rloo.restore(members[loser], child)
+        # one child, whatever LAPACK does
+        rloo_extras.broadcast_snapshot(child, 0, dist.group.WORLD)
+        rloo_extras.restore(members[loser], child)
         lr = cfg.teacher_lr if name == "teachers" else cfg.student_lr
         rloo.reset_optimizer(members[loser], lr=lr, warmup_steps=0, total_steps=None)
         ratings[loser] = [MU0, SIGMA0]
@@ -643,7 +645,7 @@ def setup(cfg: Config, checker) -> Run | None:
         for j in range(cfg.students)]
     if ckpt:
         for name, policy in members(teachers, students).items():
-            rloo.load_state(policy, os.path.join(ckpt, name))
+            rloo_extras.load_state(policy, os.path.join(ckpt, name))
     who = f"{cfg.teachers} teachers, {cfg.students} students"
     if cfg.single_agent:
         who = "one agent in both roles"
@@ -682,7 +684,7 @@ def save_folders(cfg: Config, run: Run) -> None:
     folders = {f"teachers/t{i}": p for i, p in enumerate(run.teachers)}
     folders |= {f"students/s{j}": p for j, p in enumerate(run.students)}
     for folder, policy in folders.items():
-        rloo.save_hf(policy, os.path.join(cfg.out, folder), run.tok, run.state["round"], tag)
+        rloo_extras.save_hf(policy, os.path.join(cfg.out, folder), run.tok, run.state["round"], tag)
 
 
 if __name__ == "__main__":

@@ -217,6 +217,7 @@ class Measured:
 
 
 def mean(values: list) -> float:
+    """the mean of a list (of outcomes: True counts 1)"""
     return sum(values) / len(values)
 
 
@@ -354,7 +355,7 @@ def baseline_outcomes(cfg: Config, run, q_r: list[dict]) -> list[list[bool]]:
     and student group: on the group's own engines, as its trained students are measured (greedy
     bf16 decoding is not batch-invariant: Acc0 from other engines or batches could differ by more
     than tau). The same for each of the group's students (one at least: the step's row logs it)."""
-    rloo.restore(run.student, run.theta)
+    rloo_extras.restore(run.student, run.theta)
     return [outcomes(cfg, run, q_r, run.student)] * max(len(my_students(cfg, run)), 1)
 
 
@@ -371,13 +372,13 @@ def outcomes(cfg: Config, run, questions: list[dict], policy) -> list[bool]:
     return [count > 0 for count in counts]
 
 
-def measure_students(cfg: Config, run, step: Step, students) -> tuple[list, dict, int]:
+def measure_students(cfg: Config, run, step: Step, group_students) -> tuple[list, dict, int]:
     """Step 5 of SOAR's reward: each group trains and measures its share of the g*r students
-    (students.trained_outcomes: one at a time, or LoRA's side by side). Returns, on every rank,
-    what was measured of each X_k (what its students solve of Q_R, and what the baseline solves
-    where each was measured: its step.solved0 there), the promotion candidates this group kept and
-    the most any rank keeps."""
-    solved, candidates = students.trained_outcomes(cfg, run, step)
+    (group_students.trained_outcomes: one at a time, or LoRA's side by side). Returns, on every
+    rank, what was measured of each X_k (what its students solve of Q_R, and what the baseline
+    solves where each was measured: its step.solved0 there), the promotion candidates this group
+    kept and the most any rank keeps."""
+    solved, candidates = group_students.trained_outcomes(cfg, run, step)
     held = sum(snap is not None for snap in candidates.values())
     parts = rloo.all_gather(({kj: (solved[kj], solved0) for kj, solved0 in
                               zip(my_students(cfg, run), step.solved0)}, held))
@@ -402,7 +403,7 @@ def trained_outcomes(cfg: Config, run, step: Step) -> tuple[dict, dict]:
             train_student(cfg, run, step, k, j)
         solved[k, j] = outcomes(cfg, run, step.q_r, run.student)
         if keep:
-            candidates[k, j] = rloo.snapshot(run.student) if (k, j) != mine[-1] else None
+            candidates[k, j] = rloo_extras.snapshot(run.student) if (k, j) != mine[-1] else None
     return solved, candidates
 
 
@@ -412,7 +413,7 @@ def train_student(cfg: Config, run, step: Step, k: int, j: int) -> None:
     the group's engines"""
     batches = student_batches(cfg, step, k, j)
     how = student_rl(cfg, run)
-    rloo.restore(run.student, run.theta)
+    rloo_extras.restore(run.student, run.theta)
     rloo.reset_optimizer(run.student, lr=cfg.student_lr, warmup_steps=0,
                          total_steps=len(batches) * how["updates"])
     for batch, seed in batches:
@@ -476,9 +477,9 @@ def promote(cfg: Config, run, chosen, candidates: dict) -> dict:
     if mine:
         theta = candidates[chosen]
         if theta is None:   # the group's last student: still in run.student
-            theta = rloo.snapshot(run.student)
+            theta = rloo_extras.snapshot(run.student)
     with rloo.timed("sync"):
-        rloo.broadcast_snapshot(theta, src, run.mesh["group"].get_group())
+        rloo_extras.broadcast_snapshot(theta, src, run.mesh["group"].get_group())
     return theta
 
 
@@ -526,7 +527,7 @@ OPENSIR_DIVERSITY = 0.5     # weight of novelty, 1 - max cosine similarity to an
 OPENSIR_ARCHIVE = 1024      # novelty compares to the teacher's latest valid questions (past steps)
 
 
-def measure_baseline(cfg: Config, run, step: Step, students=None) -> tuple[list, dict, int]:
+def measure_baseline(cfg: Config, run, step: Step, group_students=None) -> tuple[list, dict, int]:
     """Step 5 for a baseline's reward: the baseline student's solve rate on each question of X_k,
     and its novelty against the archive (which is in the run's state, and so in the checkpoint,
     and then takes this step's questions). No students are trained, so none are kept."""
@@ -593,7 +594,7 @@ def side_by_side_baseline_outcomes(cfg: Config, run, q_r: list[dict]) -> list[li
     theta in one engine call (the same batch shape and order): each student's are its adapter's"""
     policies = run.adapters[:len(my_students(cfg, run))]
     for policy in policies:
-        rloo.restore(policy, run.theta)
+        rloo_extras.restore(policy, run.theta)
     return adapter_outcomes(cfg, run, q_r, policies)
 
 
@@ -607,7 +608,7 @@ def side_by_side_trained_outcomes(cfg: Config, run, step: Step) -> tuple[dict, d
     how = student_rl(cfg, run)
     with rloo.timed("student_training"):
         for policy in policies:
-            rloo.restore(policy, run.theta)
+            rloo_extras.restore(policy, run.theta)
             rloo.reset_optimizer(policy, lr=cfg.student_lr, warmup_steps=0,
                                  total_steps=len(plans[0]) * how["updates"])
         for s in range(len(plans[0])):
@@ -616,7 +617,7 @@ def side_by_side_trained_outcomes(cfg: Config, run, step: Step) -> tuple[dict, d
     solved = adapter_outcomes(cfg, run, step.q_r, policies)
     candidates = {}
     if keep:
-        candidates = {kj: rloo.snapshot(policy) if i else None
+        candidates = {kj: rloo_extras.snapshot(policy) if i else None
                       for i, (kj, policy) in enumerate(zip(mine, policies))}
     return dict(zip(mine, solved)), candidates
 

@@ -46,6 +46,7 @@ def lockstep(llm, student, theta, base, mesh):
     had in the shared call. Returns both runs' rewards and the largest adapter difference."""
     import lora
     import rloo
+    import rloo_extras
     other = lora.load_policy(base, mesh, seed=4, base=lora.base_of(student), **OPTS)
     batches = [[(PROMPTS[0], ""), (PROMPTS[1], "")], [(PROMPTS[2], ""), (PROMPTS[3], "")]]
     kw = dict(prompt=lambda q: q, reward=lambda texts, _: [len(t) / 10 for t in texts], samples=4,
@@ -54,7 +55,7 @@ def lockstep(llm, student, theta, base, mesh):
     runs = []
     for together in (True, False):
         for policy in (student, other):
-            rloo.restore(policy, theta)
+            rloo_extras.restore(policy, theta)
             rloo.reset_optimizer(policy, **{k: OPTS[k] for k in ("lr", "warmup_steps",
                                                                  "total_steps")})
         if together:
@@ -63,7 +64,8 @@ def lockstep(llm, student, theta, base, mesh):
             stats = [rloo.rl_step(student, llm, batches[0], seed=20, **kw),
                      rloo.rl_step(other, llm, batches[1],
                                   seed=20 + len(batches[0]) * kw["samples"], **kw)]
-        runs.append(([s["rewards"] for s in stats], [rloo.snapshot(student), rloo.snapshot(other)]))
+        runs.append(([s["rewards"] for s in stats],
+                     [rloo_extras.snapshot(student), rloo_extras.snapshot(other)]))
     (rewards, snaps), (rewards_apart, snaps_apart) = runs
     diff = max((a[k] - b[k]).abs().max().item()
                for a, b in zip(snaps, snaps_apart) for k in a)
@@ -142,6 +144,7 @@ def main(out, base, mode=""):
     from transformers import AutoTokenizer
     import lora
     import rloo
+    import rloo_extras
     rank, world, _ = rloo.init_distributed()
     mesh = init_device_mesh("cpu", (world,))
     # processed: the sampled tokens' log-probs at the sampling temperature, as the trainer's
@@ -164,7 +167,7 @@ def main(out, base, mode=""):
     res["fresh_is_base"] = torch.equal(with_adapter, without)
 
     # after each of several updates, the engine serves both adapters as the trainer holds them
-    theta = rloo.snapshot(student)
+    theta = rloo_extras.snapshot(student)
     res["errs"] = []
     res["steps"] = []
     for it in range(3):
@@ -176,34 +179,35 @@ def main(out, base, mode=""):
             res["steps"].append(rloo.train_step(policy, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
                                                 loss=rloo.rloo_loss, temperature=1.0,
                                                 micro_batch_tokens=24))
-    res["teacher_trained"] = rloo.snapshot(teacher)
+    res["teacher_trained"] = rloo_extras.snapshot(teacher)
     res["live_adapters"] = len(llm.vllm.llm_engine.list_loras())
     res["lockstep"] = lockstep(llm, student, theta, base, mesh)
 
     # a promotion's restart: the student back to theta, synced
-    rloo.restore(student, theta)
+    rloo_extras.restore(student, theta)
     rloo.sync_weights(student, llm)
     res["errs"].append(engine_vs_trainer(llm, [(student, student.model.served)], seed=10))
 
     # a resume: the teacher's checkpoint in a fresh policy on the same base, then the same update
     ckpt = os.path.join(out, "ckpt")
-    rloo.save_state(teacher, ckpt)
+    rloo_extras.save_state(teacher, ckpt)
     res["ckpt_files"] = sorted(os.listdir(ckpt))
     step = rloo.train_step(teacher, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
                            loss=rloo.rloo_loss, temperature=1.0)
     resumed = lora.load_policy(base, mesh, seed=3, base=lora.base_of(teacher), **OPTS)
-    rloo.load_state(resumed, ckpt)
+    rloo_extras.load_state(resumed, ckpt)
     step_b = rloo.train_step(resumed, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
                              loss=rloo.rloo_loss, temperature=1.0)
-    after = rloo.snapshot(teacher)
+    after = rloo_extras.snapshot(teacher)
     res["resume_equal"] = step == step_b and all(torch.equal(v, after[k])
-                                                 for k, v in rloo.snapshot(resumed).items())
+                                                 for k, v in rloo_extras.snapshot(resumed).items())
     rloo.sync_weights(resumed, llm)
     res["errs"].append(engine_vs_trainer(llm, [(resumed, resumed.model.served)], seed=11))
 
     # the final write: a PEFT folder, served again from there, and what PEFT must reproduce
     folder = os.path.join(out, "teacher")
-    rloo.save_hf(resumed, folder, AutoTokenizer.from_pretrained(base), extra={"soar.json": {}})
+    rloo_extras.save_hf(resumed, folder, AutoTokenizer.from_pretrained(base),
+                        extra={"soar.json": {}})
     request = lora.serve_adapter(llm, folder)
     res["errs"].append(engine_vs_trainer(llm, [(resumed, request)], seed=12))
     with torch.no_grad():

@@ -116,6 +116,7 @@ def main(out, base, ref):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     import rloo
+    import rloo_extras
     t0 = [time.time()]
     res = dict(times={})
 
@@ -169,7 +170,7 @@ def main(out, base, ref):
     prompts, comps, rewards = fixed_batch()
     adv = rloo.rloo_advantages(rewards).flatten().tolist()
     lo, hi = rloo.chunk(len(prompts), rank, world)
-    snap0 = rloo.snapshot(pol)
+    snap0 = rloo_extras.snapshot(pol)
     # a small token budget forces several micro-batches, unevenly many per rank (dummies)
     res["step"] = train_step(pol, prompts[lo:hi], comps[lo:hi], adv[lo:hi],
                                   micro_batch_tokens=24)
@@ -220,23 +221,23 @@ def main(out, base, ref):
 
     tick("sync")
     # --- snapshot / restore: bit-identical
-    snap1 = rloo.snapshot(pol)
-    rloo.restore(pol, snap0)
-    res["restore_ok"] = all(torch.equal(v, snap0[k]) for k, v in rloo.snapshot(pol).items())
+    snap1 = rloo_extras.snapshot(pol)
+    rloo_extras.restore(pol, snap0)
+    res["restore_ok"] = all(torch.equal(v, snap0[k]) for k, v in rloo_extras.snapshot(pol).items())
     res["snap_differs"] = any(not torch.equal(snap0[k], snap1[k]) for k in snap0)
-    rloo.restore(pol, snap1)
+    rloo_extras.restore(pol, snap1)
 
     tick("snapshot")
     # --- save_state / load_state: resuming reproduces the next step bit for bit
     ckpt = os.path.join(out, "ckpt")
-    rloo.save_state(pol, ckpt)
-    rloo.save_state(pol, ckpt)           # a second save over the first
+    rloo_extras.save_state(pol, ckpt)
+    rloo_extras.save_state(pol, ckpt)           # a second save over the first
     m2 = train_step(pol, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
     w2 = full_weights(pol.model)
     # as after a restart: a freshly loaded policy (empty optimizer state) picks up the checkpoint
     pol_b = with_ref(rloo.load_policy(base, mesh, lr=lr, warmup_steps=0, total_steps=10,
                                       kl_coef=kl_coef), ref, mesh)
-    rloo.load_state(pol_b, ckpt)
+    rloo_extras.load_state(pol_b, ckpt)
     res["load_ok"] = all(torch.equal(v, w1[k]) for k, v in full_weights(pol_b.model).items())
     m2b = train_step(pol_b, prompts[lo:hi], comps[lo:hi], adv[lo:hi], micro_batch_tokens=24)
     res["resume_ok"] = m2 == m2b and all(torch.equal(v, w2[k])
@@ -247,7 +248,7 @@ def main(out, base, ref):
     tick("checkpoint")
     # --- save_hf: from_pretrained gives back the trained weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    rloo.save_hf(pol, os.path.join(out, "hf"), AutoTokenizer.from_pretrained(base))
+    rloo_extras.save_hf(pol, os.path.join(out, "hf"), AutoTokenizer.from_pretrained(base))
     if rank == 0:
         m = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"))
         res["hf_ok"] = all(torch.equal(v, w2[k]) for k, v in m.state_dict().items())
@@ -256,7 +257,7 @@ def main(out, base, ref):
     # --- learning: reward = share of completion tokens with id < TARGET
     pol.kl_coef = 0.001   # the paper's value (0.1 above pulls hard toward the unrelated ref model)
     rloo.reset_optimizer(pol, lr=2e-2, warmup_steps=0, total_steps=100)
-    snap_l = rloo.snapshot(pol)
+    snap_l = rloo_extras.snapshot(pol)
     res["rewards"] = []
     for k in range(5):
         rloo.sync_weights(pol, llm)
@@ -269,14 +270,16 @@ def main(out, base, ref):
         cp = [s.token_ids for o in out_k for s in o]
         lo2, hi2 = rloo.chunk(len(cp), rank, world)
         train_step(pol, pr[lo2:hi2], cp[lo2:hi2], a[lo2:hi2])
-    res["unchanged"] = [k for k, v in rloo.snapshot(pol).items() if torch.equal(v, snap_l[k])]
+    res["unchanged"] = [k for k, v in rloo_extras.snapshot(pol).items()
+                        if torch.equal(v, snap_l[k])]
 
     tick("learning")
     # --- a non-finite loss skips its update (weights unchanged); MAX_NONFINITE in a row end the run
-    before = rloo.snapshot(pol)
+    before = rloo_extras.snapshot(pol)
     nan = [float("nan")] * (hi - lo)
     res["nan_skipped"] = train_step(pol, prompts[lo:hi], comps[lo:hi], nan)["skipped"]
-    res["nan_unchanged"] = all(torch.equal(v, before[k]) for k, v in rloo.snapshot(pol).items())
+    res["nan_unchanged"] = all(torch.equal(v, before[k])
+                               for k, v in rloo_extras.snapshot(pol).items())
     res["finite_after"] = not train_step(pol, prompts[lo:hi], comps[lo:hi],
                                               adv[lo:hi])["skipped"]
     try:
@@ -292,16 +295,16 @@ def main(out, base, ref):
                           kl_coef=0.0)
     rows = slice(2 * rank, 2 * rank + 4)   # each group trains on different data
     train_step(st, prompts[rows], comps[rows], adv[rows])
-    snap = rloo.snapshot(st)
+    snap = rloo_extras.snapshot(st)
     res["student_before"] = {k: v.clone() for k, v in snap.items()}
-    rloo.broadcast_snapshot(snap, src=world - 1, group=mesh2d["group"].get_group())
-    rloo.restore(st, snap)
-    res["student_after"] = rloo.snapshot(st)
+    rloo_extras.broadcast_snapshot(snap, src=world - 1, group=mesh2d["group"].get_group())
+    rloo_extras.restore(st, snap)
+    res["student_after"] = rloo_extras.snapshot(st)
     # a checkpoint of a policy on a sub-mesh (the groups hold the same theta now, as in SOAR)
-    rloo.save_state(st, os.path.join(out, "ckpt2d"))
+    rloo_extras.save_state(st, os.path.join(out, "ckpt2d"))
     train_step(st, prompts[rows], comps[rows], adv[rows])
-    rloo.load_state(st, os.path.join(out, "ckpt2d"))
-    res["student_reloaded"] = rloo.snapshot(st)
+    rloo_extras.load_state(st, os.path.join(out, "ckpt2d"))
+    res["student_reloaded"] = rloo_extras.snapshot(st)
 
     tick("broadcast")
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
