@@ -541,11 +541,15 @@ def ppo_loss(logp, ref_logp, adv, mask, kl_coef: float, old_logp, clip: float = 
     """PPO's clipped loss, for several updates per batch (learn's `updates`; SeRL's, METHOD.md
     "SeRL"), per completion token t, against the log-probs before the first (old_logp):
         pg = -min(r A, clip(r, 1 - clip, 1 + clip) A),   r = exp(logp - old_logp)
-    so a token whose ratio has left [1 - clip, 1 + clip] in A's direction gets no gradient. The KL
-    is in SeRL's advantages, not here. Returns rloo_loss's three sums (kl: 0)."""
+    so a token whose ratio has left [1 - clip, 1 + clip] in A's direction gets no gradient; plus
+    rloo_loss's k3 KL (SeRL's KL is in its advantages: it has none here). Returns rloo_loss's
+    three sums."""
     ratio = torch.exp(logp - old_logp)
     pg = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
-    return (pg * mask).sum(), (pg.detach() * mask).sum(), torch.zeros((), device=logp.device)
+    d = ref_logp - logp if ref_logp is not None else torch.zeros_like(logp)
+    kl = torch.exp(d) - d - 1
+    return (((pg + kl_coef * kl) * mask).sum(), (pg.detach() * mask).sum(),
+            (kl.detach() * mask).sum())
 
 
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
