@@ -43,13 +43,19 @@ def test_the_readmes_fork_recipes_apply_and_run(tmp_path):
         patch.write_text(diff)
         p = subprocess.run(["git", "apply", str(patch)], cwd=repo, capture_output=True, text=True)
         assert p.returncode == 0, f"README recipe {name!r} does not apply: {p.stderr}"
-    # the exact-match checker is data.py's: grading and the teacher's format filter use it
-    check = ("import json, data; print(json.dumps([data.grade(['\\\\boxed{1/2}', "
+    # the exact-match checker is data.py's: grading, the teacher's format filter and load_problems
+    # use it (math-verify cannot parse "}{" as a gold answer: the math task drops that problem)
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text(json.dumps({"question": "Q?", "answer": "}{"}) + "\n")
+    check = ("import json, sys, data; print(json.dumps([data.grade(['\\\\boxed{1/2}', "
              "'\\\\boxed{ 7 }'], ['0.5', '7']), data.parse_teacher_batch(['<question>Q?</question>"
-             "<answer>\\\\boxed{a b}</answer>'])]))")
-    p = subprocess.run([sys.executable, "-c", check], cwd=repo, capture_output=True, text=True)
+             "<answer>\\\\boxed{a b}</answer>']), data.load_problems(sys.argv[1])]))")
+    p = subprocess.run([sys.executable, "-c", check, str(problems)], cwd=repo, capture_output=True,
+                       text=True)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert json.loads(p.stdout) == [[10.0, 120.0], [["Q?", "a b"]]]   # 1/2 is not 0.5 by text
+    graded, pairs, kept = json.loads(p.stdout)
+    assert graded == [10.0, 120.0] and pairs == [["Q?", "a b"]]   # 1/2 is not 0.5 by text
+    assert kept == [{"question": "Q?", "answer": "}{"}]
     # the task's code is in the world's key: the shipped small world is rebuilt for it
     p = subprocess.run([sys.executable, "world.py", "--ship", "--small"], cwd=repo,
                        capture_output=True, text=True, timeout=900)

@@ -67,6 +67,20 @@ def test_teacher_advantages_leave_one_out():
     assert sum(adv) == pytest.approx(0.0)    # why rejection sampling is exact (paper Prop. 1)
 
 
+def test_promote_every_step_promotes_whatever_ma_and_tau_but_not_on_nan():
+    """--promote_every_step (the end-to-end tests' promotions): the rule's choice of student at
+    every step, with the window not yet full and tau out of reach; a NaN step reward does not
+    promote; every step keeps its candidates"""
+    R = [[0.1, 0.3, 0.2], [0.0, 0.0, 0.0]]
+    reward, ma, chosen, history = decide([], R, 3, 1.0, every_step=True)
+    assert ma is None and chosen == promotion(R, ma=2.0, tau=1.0) == (0, 2) and history == []
+    nan = [[float("nan")], [0.0]]
+    assert decide([], nan, 1, -1.0, every_step=True)[2] is None
+    cfg = Config(window=3, tau=1.0, promote_every_step=True)
+    assert soar.can_promote(cfg, []) and not soar.can_promote(
+        Config(promote_every_step=True, reward="learnability"), [])
+
+
 def test_can_promote_only_when_the_window_can_pass_tau():
     cfg = Config(window=3, tau=0.01)
     # the window cannot be full yet
