@@ -64,7 +64,8 @@ class Config:
     tau: float = launch.flag(0.01, "promotion threshold on the moving average")
     window: int = launch.flag(3, "w: moving-average window", least=1)
     promote_every_step: bool = launch.flag(False, "promote at every step, whatever MA and tau (a "
-        "step whose reward is not a number excepted): tests and ablations, not the method")
+        "step whose reward is not a number excepted; a reward that trains no students never "
+        "promotes): tests and ablations, not the method")
     reward: str = launch.flag("grounded", "the teacher's reward (TEACHER_REWARDS): grounded "
         "(SOAR), learnability (Intrinsic-T) or opensir", choices=("grounded", "learnability",
                                                                   "opensir"))
@@ -285,8 +286,9 @@ def main(cfg: Config):
         R_k = [sum(row) / len(row) for row in R]
         # 6-7. Rhat, MA, promotion (intrinsic baselines train no students, so they never promote)
         tau = cfg.tau if teacher_reward.trains_students else float("inf")
+        every_step = cfg.promote_every_step and teacher_reward.trains_students
         reward, ma, chosen, state["history"] = decide(state["history"], R, cfg.window, tau,
-                                                      cfg.promote_every_step)
+                                                      every_step)
         # every rank must decide alike (a promotion is a collective): else stop, naming the ranks
         launch.check_same(dict(R=R, reward=reward, ma=ma, chosen=chosen), f"step {step}'s decision")
         if chosen:
