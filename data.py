@@ -654,7 +654,6 @@ def grading_faults() -> dict:
     return dict(GRADING_FAULTS)
 
 
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="data.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

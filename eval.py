@@ -606,21 +606,16 @@ def serl_update(cfg: Config, policy, llm, batch: list[tuple[str, str]], seed: in
     batches = rloo.minibatches(len(flat), cfg.serl_train_batch, seed, group)
     mine = [i for rows in batches for i in rows]
     samples = [smp for smp, _ in flat]
-    prompts = [samples[i].prompt_token_ids for i in mine]
-    completions = [samples[i].token_ids for i in mine]
-    opts = dict(temperature=cfg.temperature, dev=policy.device, shared=policy.shared_prompts,
-                micro_batch_tokens=cfg.micro_batch_tokens, group=policy.mesh.get_group())
-    old = rloo.sequence_logprobs(policy.model, prompts, completions, **opts)
+    opts = dict(temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens)
+    old = rloo.rows_logprobs(policy, policy.model, samples, mine, **opts)
     ref = old   # --serl_kl 0: no reference, and log p - log p_ref = 0
     if cfg.serl_kl:
-        ref = rloo.sequence_logprobs(policy.ref, prompts, completions, **opts)
-    returns = [kl_returns(shaped[i], o, r, cfg.serl_kl) for i, o, r in zip(mine, old, ref)]
+        ref = rloo.rows_logprobs(policy, policy.ref, samples, mine, **opts)
+    returns = [kl_returns(shaped[i], old[i], ref[i], cfg.serl_kl) for i in mine]
     adv = dict(zip(mine, whiten(returns, group, policy.device)))
     stats = rloo.update_minibatches(policy, samples, adv, batches,
                                     loss=functools.partial(rloo.ppo_loss, clip=cfg.serl_clip),
-                                    temperature=cfg.temperature,
-                                    micro_batch_tokens=cfg.micro_batch_tokens,
-                                    old_logprobs=dict(zip(mine, old)))
+                                    old_logprobs=old, **opts)
     return {**stats, "updates": len(batches), "reward": statistics.fmean(rewards),
             "rewards": rewards, "nontrivial": (table.std(1) > 0).tolist()}
 

@@ -155,7 +155,6 @@ def check_same(value, what: str, group=None) -> None:
     raise err
 
 
-
 # -----------------------------------------------------------------------------
 # flags: one dataclass field each, its help and least value in the field's metadata
 

@@ -677,6 +677,16 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[l
     return out
 
 
+def rows_logprobs(policy: Policy, model, samples: list, rows: list[int], *, temperature: float,
+                  micro_batch_tokens: int) -> dict[int, list[float]]:
+    """{row: per-token log-probs} of this rank's rows of `samples` under `model` (the policy's own
+    or its reference), no gradient (sequence_logprobs on the policy's mesh)"""
+    return dict(zip(rows, sequence_logprobs(
+        model, [samples[i].prompt_token_ids for i in rows], [samples[i].token_ids for i in rows],
+        temperature=temperature, dev=policy.device, shared=policy.shared_prompts,
+        micro_batch_tokens=micro_batch_tokens, group=policy.mesh.get_group())))
+
+
 def _average_unsharded_gradients(params: list, group) -> None:
     """The mean gradient over the group's ranks, as FSDP2 gives its sharded parameters, for those it
     does not shard (held whole on every rank: lora.py's adapters): one flat all-reduce. Full
@@ -764,12 +774,9 @@ def update_minibatches(policy: Policy, samples: list, advantages, batches: list[
     first update: `old_logprobs` {row: per-token list}, or computed here. Returns the updates'
     mean stats."""
     if old_logprobs is None and "old_logp" in inspect.signature(loss).parameters:
-        mine = [i for rows in batches for i in rows]
-        old_logprobs = dict(zip(mine, sequence_logprobs(
-            policy.model, [samples[i].prompt_token_ids for i in mine],
-            [samples[i].token_ids for i in mine], temperature=temperature, dev=policy.device,
-            shared=policy.shared_prompts, micro_batch_tokens=micro_batch_tokens,
-            group=policy.mesh.get_group())))
+        old_logprobs = rows_logprobs(policy, policy.model, samples,
+                                     [i for rows in batches for i in rows],
+                                     temperature=temperature, micro_batch_tokens=micro_batch_tokens)
     stats = [train_step(policy, [samples[i].prompt_token_ids for i in rows],
                         [samples[i].token_ids for i in rows], [advantages[i] for i in rows],
                         loss=loss, temperature=temperature, micro_batch_tokens=micro_batch_tokens,

@@ -637,7 +637,6 @@ def adapter_outcomes(cfg: Config, run, questions: list[dict], policies: list) ->
 SIDE_BY_SIDE = GroupStudents(side_by_side_baseline_outcomes, side_by_side_trained_outcomes)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The two-turn teacher (METHOD.md "Two-turn teacher", --teacher_turns 2): the question, then its
 # answer in a second turn after the prompt p' (data.answer_prompt); a sample is its two turns,
